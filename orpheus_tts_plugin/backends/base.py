@@ -1,0 +1,317 @@
+"""The token backend protocol, and a base for backends that step a batch of requests in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of one request (Baseten's production defaults)."""
+
+    temperature: float = 0.6
+    top_p: float = 0.8
+    repetition_penalty: float = 1.1
+    max_tokens: int = 6144
+    seed: int | None = None
+
+    def validate(self) -> SamplingParams:
+        """Raise ValueError on out-of-range values; return self."""
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        return self
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation: prompt token ids in, audio token ids out, at most `max_new_tokens`."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    constrain_audio: bool = True
+
+
+class FinishReason:
+    """Why a generation ended."""
+
+    STOP = "stop"  # the model emitted the end-of-speech id
+    LENGTH = "length"  # max_new_tokens reached
+    ABORTED = "aborted"  # the consumer closed the stream
+    ERROR = "error"
+
+
+@runtime_checkable
+class TokenStream(Protocol):
+    """New token ids of one request, as the backend produces them."""
+
+    finish_reason: str | None
+
+    def __aiter__(self) -> AsyncIterator[Sequence[int]]: ...
+
+    async def __anext__(self) -> Sequence[int]: ...
+
+    async def aclose(self) -> None:
+        """Abort the request in the backend within one engine step."""
+
+
+@runtime_checkable
+class TokenBackend(Protocol):
+    """Token generation behind one small protocol; knows nothing about audio."""
+
+    async def start(self) -> None: ...
+
+    def generate(self, req: GenerationRequest) -> TokenStream: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+class BackendError(RuntimeError):
+    """The backend failed a request (the model crashed, the server went away)."""
+
+
+class _StepStream:
+    """A TokenStream fed by a stepping thread; lives on the loop that called `generate`."""
+
+    def __init__(self, backend: SteppedBackend, req: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.req = req
+        self.finish_reason: str | None = None
+        self._backend = backend
+        self._loop = loop
+        self._items: collections.deque[list[int]] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False
+        self._error: BaseException | None = None
+        self._closed = False
+
+    def __aiter__(self) -> _StepStream:
+        return self
+
+    async def __anext__(self) -> list[int]:
+        while not self._items:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if not self._done:
+                self._backend._abort(self)
+        self._done = True
+
+    def _push(self, ids: list[int], finish: str | None, error: BaseException | None = None) -> None:
+        """Called on the loop once per engine step with this request's new ids."""
+        if self._closed:
+            return
+        if ids:
+            self._items.append(ids)
+        if finish is not None:
+            self.finish_reason = finish
+            self._error = error
+            self._done = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class SteppedBackend:
+    """Base of in-process backends: one thread runs engine steps over every live request.
+
+    Subclasses implement `_load`, `_admit`, `_step` and `_release`; this class owns the thread,
+    admission, aborts (honoured before the next step) and delivery of each step's ids to the
+    event loop in one `call_soon_threadsafe` per step, never one per token.
+    """
+
+    name = "stepped"
+
+    def __init__(self, max_batch_size: int = 64):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.max_batch_size = max_batch_size
+        self._cv = threading.Condition()
+        self._pending: collections.deque[_StepStream] = collections.deque()
+        self._aborts: set[_StepStream] = set()
+        self._live: dict[_StepStream, Any] = {}
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._step_count = 0
+        self._abort_requested_at: dict[_StepStream, int] = {}
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._max_steps_to_abort = 0
+
+    # -- subclass hooks (run on the stepping thread) --
+    def _load(self) -> None:
+        """Load the model; runs once on the stepping thread before the first step."""
+
+    def _admit(self, req: GenerationRequest) -> Any:
+        """Start a request (prefill); return its per-request state."""
+        raise NotImplementedError
+
+    def _step(self, states: list[Any]) -> list[tuple[list[int], str | None]]:
+        """Advance every state one engine step: its new ids and finish reason (or None)."""
+        raise NotImplementedError
+
+    def _release(self, state: Any) -> None:
+        """Free a request's resources (KV cache slot)."""
+
+    def _idle_wait(self) -> float | None:
+        """Seconds the stepping thread may sleep when no request is live (None: until woken)."""
+        return None
+
+    # -- protocol --
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = self._loop.create_future()
+        self._running = True
+
+        def run() -> None:
+            try:
+                self._load()
+            except BaseException as exc:  # noqa: BLE001 - reported to start()
+                self._running = False
+                self._loop.call_soon_threadsafe(_set_exception, ready, exc)
+                return
+            self._loop.call_soon_threadsafe(_set_result, ready)
+            self._run()
+
+        self._thread = threading.Thread(target=run, name=f"orpheus-{self.name}-steps", daemon=True)
+        self._thread.start()
+        await ready
+
+    def generate(self, req: GenerationRequest) -> _StepStream:
+        if not self._running:
+            raise BackendError(f"{self.name} backend is not running")
+        if asyncio.get_running_loop() is not self._loop:
+            raise BackendError(f"{self.name} backend: generate() must run on the loop that started it")
+        stream = _StepStream(self, req, self._loop)
+        with self._cv:
+            self._pending.append(stream)
+            self._cv.notify()
+        return stream
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "backend": self.name,
+                "live_requests": len(self._live),
+                "queued_requests": len(self._pending),
+                "steps": self._step_count,
+                "max_steps_to_abort": self._max_steps_to_abort,
+                **self._counters,
+            }
+
+    async def close(self) -> None:
+        with self._cv:
+            self._running = False
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # -- internals --
+    def _abort(self, stream: _StepStream) -> None:
+        with self._cv:
+            self._aborts.add(stream)
+            self._abort_requested_at[stream] = self._step_count
+            self._cv.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while self._running and not self._pending and not self._live and not self._aborts:
+                        self._cv.wait(self._idle_wait())
+                    if not self._running:
+                        break
+                    aborts, self._aborts = self._aborts, set()
+                    admit: list[_StepStream] = []
+                    while self._pending and len(self._live) + len(admit) < self.max_batch_size:
+                        admit.append(self._pending.popleft())
+                    for stream in aborts:
+                        requested = self._abort_requested_at.pop(stream, self._step_count)
+                        self._max_steps_to_abort = max(self._max_steps_to_abort, self._step_count - requested)
+                for stream in aborts:
+                    if stream in admit:
+                        admit.remove(stream)
+                    elif not self._drop(stream):
+                        with self._cv:
+                            if stream not in self._pending:
+                                continue
+                            self._pending.remove(stream)
+                    self._counters["aborted"] += 1
+                results: list[tuple[_StepStream, list[int], str | None, BaseException | None]] = []
+                for stream in admit:
+                    try:
+                        self._live[stream] = self._admit(stream.req)
+                        self._counters["admitted"] += 1
+                    except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
+                        results.append((stream, [], FinishReason.ERROR, BackendError(str(exc))))
+                if self._live:
+                    streams = list(self._live)
+                    try:
+                        outs = self._step([self._live[s] for s in streams])
+                    except Exception as exc:  # noqa: BLE001 - fail every live request, keep serving
+                        outs = [([], FinishReason.ERROR)] * len(streams)
+                        error: BaseException | None = BackendError(f"{self.name} step failed: {exc}")
+                    else:
+                        error = None
+                    with self._cv:
+                        self._step_count += 1
+                    for stream, (ids, finish) in zip(streams, outs):
+                        if finish is not None:
+                            self._drop(stream)
+                            self._counters[f"finish_{finish}"] += 1
+                        results.append((stream, ids, finish, error if finish == FinishReason.ERROR else None))
+                        self._counters["tokens"] += len(ids)
+                if results:
+                    self._loop.call_soon_threadsafe(_dispatch, results)
+        finally:
+            for stream in list(self._live):
+                self._drop(stream)
+
+    def _drop(self, stream: _StepStream) -> bool:
+        """Release a live request's state; False if it was not live."""
+        state = self._live.pop(stream, None)
+        if state is None:
+            return False
+        self._release(state)
+        return True
+
+
+def _dispatch(results: list[tuple[_StepStream, list[int], str | None, BaseException | None]]) -> None:
+    for stream, ids, finish, error in results:
+        stream._push(ids, finish, error)
+
+
+def _set_result(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _set_exception(fut: asyncio.Future[None], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,1 @@
+"""Orpheus TTS inside a voice agent's process."""

@@ -1,0 +1,473 @@
+"""SNAC 24 kHz decoding: exact streaming with per-utterance state, batched across utterances.
+
+The SNAC decoder is convolutional and non-causal. `StreamingDecoder` runs it layer by layer on
+new frames only: every convolution keeps the last inputs it needs as state, so each frame is
+decoded once and each output sample is emitted as soon as the receptive field allows. Inputs
+outside an utterance are masked to zero, exactly as the offline decoder's zero padding, so the
+streamed audio equals `offline_decode` of the whole utterance (up to float rounding). SNAC's
+NoiseBlock noise is made a function of absolute position so that the two agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .codes import frames_to_levels
+from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME
+
+LATENT_PER_FRAME = 4  # SNAC latent steps (hop 512) per 2,048-sample frame
+FADE_SAMPLES = 240  # 10 ms fade at each end of an utterance
+NOISE_PERIOD_FRAMES = 1024  # noise repeats after this many frames (87 s), longer than any utterance
+
+
+def load_snac(path_or_repo: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+              noise_seed: int = 0) -> nn.Module:
+    """Load a SNAC 24 kHz model (hub id or local dir) with position-seeded noise, in eval mode."""
+    from snac import SNAC
+
+    model = SNAC.from_pretrained(path_or_repo)
+    if model.sampling_rate != SAMPLE_RATE or model.hop_length * LATENT_PER_FRAME != SAMPLES_PER_FRAME:
+        raise ValueError(f"{path_or_repo}: Orpheus needs the 24 kHz SNAC (hop 512), got "
+                         f"{model.sampling_rate} Hz, hop {model.hop_length}")
+    if model.attn_window_size is not None:
+        raise ValueError(f"{path_or_repo}: a SNAC decoder with local attention cannot stream exactly")
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    make_noise_deterministic(model, noise_seed)
+    return model
+
+
+class PositionalNoise(nn.Module):
+    """SNAC's NoiseBlock with noise drawn from a fixed table indexed by absolute sample position."""
+
+    def __init__(self, linear: nn.Module, table: Tensor):
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("table", table, persistent=False)
+
+    def noise(self, positions: Tensor) -> Tensor:
+        return self.table[positions.remainder(self.table.numel())]
+
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        if positions is None:
+            positions = torch.arange(x.shape[-1], device=x.device)
+        return x + self.noise(positions).unsqueeze(-2) * self.linear(x)
+
+
+def make_noise_deterministic(model: nn.Module, seed: int = 0) -> None:
+    """Replace every NoiseBlock of a SNAC decoder by a PositionalNoise (in place)."""
+    from snac.layers import DecoderBlock, NoiseBlock
+
+    rate = 1
+    blocks = [m for m in model.decoder.model if isinstance(m, DecoderBlock)]
+    for i, block in enumerate(blocks):
+        convt = block.block[1]
+        rate *= convt.stride[0]
+        for j, layer in enumerate(block.block):
+            if isinstance(layer, NoiseBlock):
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+                length = NOISE_PERIOD_FRAMES * LATENT_PER_FRAME * rate
+                table = torch.randn(length, generator=gen).to(next(model.parameters()))
+                block.block[j] = PositionalNoise(layer.linear, table)
+
+
+def fade_edges(audio: Tensor, start: Tensor, total: Tensor | None) -> Tensor:
+    """Linear fades over the first and last FADE_SAMPLES of an utterance.
+
+    `audio` (B, n) holds samples from absolute position `start` (B,); `total` (B,) is the
+    utterance length where known (its end is in this chunk), else None or negative.
+    """
+    pos = start.unsqueeze(1) + torch.arange(audio.shape[-1], device=audio.device)
+    gain = (pos.to(audio.dtype) / FADE_SAMPLES).clamp(max=1.0)
+    if total is not None:
+        tail = ((total.unsqueeze(1) - 1 - pos).to(audio.dtype) / FADE_SAMPLES).clamp(max=1.0)
+        gain = torch.where(total.unsqueeze(1) >= 0, torch.minimum(gain, tail), gain)
+    return audio * gain.clamp(min=0.0)
+
+
+def to_int16(audio: Tensor) -> Tensor:
+    """Float audio in [-1, 1] → int16, on the audio's device."""
+    return (audio * 32767.0).round_().clamp_(-32768, 32767).to(torch.int16)
+
+
+@torch.inference_mode()
+def offline_decode(snac: nn.Module, frames: np.ndarray) -> np.ndarray:
+    """Decode a whole utterance at once with SNAC's own decoder: int16, 2,048 samples per frame."""
+    if len(frames) == 0:
+        return np.zeros(0, dtype=np.int16)
+    device = next(snac.parameters()).device
+    codes = [torch.from_numpy(c).to(device).unsqueeze(0) for c in frames_to_levels(frames)]
+    audio = snac.decode(codes)[:, 0]
+    n = audio.shape[-1]
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    audio = fade_edges(audio, zero, torch.full((1,), n, device=device))
+    return to_int16(audio)[0].cpu().numpy()
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming
+
+
+@dataclass
+class DecodeState:
+    """Streaming state of one utterance: frames seen, samples emitted, per-layer buffers."""
+
+    frames_in: int = 0
+    samples_out: int = 0
+    final: bool = False
+    buffers: list[Tensor] | None = None
+    pending: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def pending_frames(self) -> int:
+        return sum(len(p) for p in self.pending)
+
+    def ready(self, first_chunk_frames: int) -> bool:
+        """Whether a decode call for this utterance would emit audio now."""
+        if self.final:
+            return True
+        need = first_chunk_frames if self.frames_in == 0 else 1
+        return self.pending_frames >= need
+
+
+class _Step:
+    """What one batched call knows about its rows: positions, utterance ends, layer buffers."""
+
+    def __init__(self, frames_before: Tensor, end_frames: Tensor, buffers: list[Tensor], need_mask: bool):
+        self.frames_before = frames_before  # (B,)
+        self.end_frames = end_frames  # (B,) frames in the utterance, or a huge number if unknown
+        self.buffers_in = buffers
+        self.buffers_out: list[Tensor] = []
+        self.need_mask = need_mask
+
+    def positions(self, per_frame: int, delay: int, n: int) -> Tensor:
+        """Absolute positions (B, n) at a layer with `per_frame` samples a frame and `delay`."""
+        start = self.frames_before * per_frame - delay
+        return start.unsqueeze(1) + torch.arange(n, device=start.device)
+
+    def mask(self, x: Tensor, per_frame: int, delay: int) -> Tensor:
+        """Zero the inputs that lie outside the utterance (the offline decoder's zero padding)."""
+        if not self.need_mask:
+            return x
+        pos = self.positions(per_frame, delay, x.shape[-1])
+        valid = (pos >= 0) & (pos < (self.end_frames * per_frame).unsqueeze(1))
+        return x * valid.unsqueeze(1).to(x.dtype)
+
+    def extend(self, x: Tensor, keep: int) -> Tensor:
+        """Prepend this layer's buffer to `x` and keep the last `keep` samples as its next buffer.
+
+        Layers call this in a fixed order, which is the order of their buffers.
+        """
+        window = torch.cat([self.buffers_in[len(self.buffers_out)], x], -1)
+        self.buffers_out.append(window[..., window.shape[-1] - keep :])
+        return window
+
+
+def _snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor) -> Tensor:
+    return x + inv_alpha * torch.sin(alpha * x).pow(2)
+
+
+class _Layer:
+    """One streaming layer; `per_frame` and `delay` describe its input."""
+
+    per_frame: int
+    delay: int
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return []
+
+    def __call__(self, x: Tensor, step: _Step) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def out_per_frame(self) -> int:
+        return self.per_frame
+
+    @property
+    def out_delay(self) -> int:
+        return self.delay
+
+
+class _Snake(_Layer):
+    def __init__(self, snake: nn.Module, per_frame: int, delay: int):
+        self.alpha = snake.alpha.detach()
+        self.inv_alpha = (self.alpha + 1e-9).reciprocal()
+        self.per_frame, self.delay = per_frame, delay
+
+    def __call__(self, x: Tensor, step: _Step) -> Tensor:
+        return _snake(x, self.alpha, self.inv_alpha)
+
+
+class _Pointwise(_Layer):
+    """A kernel-1 convolution: no context, no state."""
+
+    def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
+        self.weight = conv.weight.detach().clone()
+        self.bias = None if conv.bias is None else conv.bias.detach().clone()
+        self.per_frame, self.delay = per_frame, delay
+
+    def __call__(self, x: Tensor, step: _Step) -> Tensor:
+        return F.conv1d(x, self.weight, self.bias)
+
+
+class _Conv(_Layer):
+    """A 'same'-padded convolution streamed with the last `context` inputs as state."""
+
+    def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
+        self.weight = conv.weight.detach().clone()
+        self.bias = None if conv.bias is None else conv.bias.detach().clone()
+        self.dilation, self.groups = conv.dilation[0], conv.groups
+        self.context = self.dilation * (conv.kernel_size[0] - 1)
+        if conv.stride[0] != 1 or 2 * conv.padding[0] != self.context:
+            raise ValueError("streaming needs stride-1, symmetric 'same' padding")
+        self.channels = conv.in_channels
+        self.per_frame, self.delay = per_frame, delay
+
+    @property
+    def out_delay(self) -> int:
+        return self.delay + self.context // 2
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [(self.channels, self.context)]
+
+    def __call__(self, x: Tensor, step: _Step) -> Tensor:
+        window = step.extend(step.mask(x, self.per_frame, self.delay), self.context)
+        return F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
+
+
+class _ConvTranspose(_Layer):
+    """SNAC's upsampling transposed convolution (kernel 2·stride), streamed with one input of state."""
+
+    def __init__(self, conv: nn.ConvTranspose1d, per_frame: int, delay: int):
+        self.weight = conv.weight.detach().clone()
+        self.bias = None if conv.bias is None else conv.bias.detach().clone()
+        self.stride, self.pad = conv.stride[0], conv.padding[0]
+        if conv.kernel_size[0] != 2 * self.stride or conv.output_padding[0] != 0 or conv.groups != 1:
+            raise ValueError("streaming needs kernel 2·stride, even stride, no groups")
+        self.channels = conv.in_channels
+        self.per_frame, self.delay = per_frame, delay
+
+    @property
+    def out_per_frame(self) -> int:
+        return self.per_frame * self.stride
+
+    @property
+    def out_delay(self) -> int:
+        return self.delay * self.stride + self.pad
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [(self.channels, 1)]
+
+    def __call__(self, x: Tensor, step: _Step) -> Tensor:
+        x = step.mask(x, self.per_frame, self.delay)
+        n = x.shape[-1]
+        window = step.extend(x, 1)
+        y = F.conv_transpose1d(window, self.weight, self.bias, stride=self.stride)
+        return y[..., self.stride : (n + 1) * self.stride]
+
+
+class _Noise(_Layer):
+    def __init__(self, noise: PositionalNoise, per_frame: int, delay: int):
+        self.noise = noise
+        self.weight = noise.linear.weight.detach().clone()
+        self.per_frame, self.delay = per_frame, delay
+
+    def __call__(self, x: Tensor, step: _Step) -> Tensor:
+        pos = step.positions(self.per_frame, self.delay, x.shape[-1])
+        return x + self.noise.noise(pos).unsqueeze(1) * F.conv1d(x, self.weight)
+
+
+class _Residual(_Layer):
+    """x + block(x), the skip path delayed by the block's look-ahead."""
+
+    def __init__(self, unit: nn.Module, per_frame: int, delay: int):
+        snake1, conv, snake2, pointwise = unit.block
+        self.layers: list[_Layer] = [_Snake(snake1, per_frame, delay), _Conv(conv, per_frame, delay)]
+        inner_delay = self.layers[1].out_delay
+        self.layers += [_Snake(snake2, per_frame, inner_delay), _Pointwise(pointwise, per_frame, inner_delay)]
+        self.lag = inner_delay - delay
+        self.channels = conv.in_channels
+        self.per_frame, self.delay = per_frame, delay
+
+    @property
+    def out_delay(self) -> int:
+        return self.delay + self.lag
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [s for layer in self.layers for s in layer.buffer_shapes()] + [(self.channels, self.lag)]
+
+    def __call__(self, x: Tensor, step: _Step) -> Tensor:
+        y = x
+        for layer in self.layers:
+            y = layer(y, step)
+        skip = step.extend(x, self.lag)
+        return skip[..., : x.shape[-1]] + y
+
+
+class StreamingDecoder:
+    """Exact streaming SNAC decoding of many utterances, one batched call per chunk length a tick."""
+
+    def __init__(self, snac: nn.Module | None, first_chunk_frames: int = 4):
+        if first_chunk_frames < 1:
+            raise ValueError("first_chunk_frames must be >= 1")
+        self.first_chunk_frames = first_chunk_frames
+        self.snac = snac
+        self.layers: list[_Layer] = [] if snac is None else _build_layers(snac)
+        self.latency_samples = self.layers[-1].out_delay if self.layers else SNAC24_LATENCY
+        self.flush_frames = math.ceil(self.latency_samples / SAMPLES_PER_FRAME)
+        self.warmup_frames = max(
+            (math.ceil(layer.delay / layer.per_frame) for layer in self.layers), default=self.flush_frames)
+        self.calls = 0
+        self.rows = 0
+        self.calls_by_chunk: dict[int, int] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.snac.parameters()).device if self.snac is not None else torch.device("cpu")
+
+    def new_state(self) -> DecodeState:
+        return DecodeState()
+
+    @torch.inference_mode()
+    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]:
+        """Decode every pending frame of `states` (and flush the final ones): new int16 audio of each."""
+        out: list[np.ndarray] = [_NO_AUDIO] * len(states)
+        groups: dict[int, list[int]] = {}
+        for i, st in enumerate(states):
+            m = st.pending_frames
+            if st.final and st.frames_in + m == 0:
+                st.pending.clear()
+                continue
+            n = m + (self.flush_frames if st.final else 0)
+            if n:
+                groups.setdefault(n, []).append(i)
+        for n, rows in groups.items():
+            audio = self._decode_group([states[i] for i in rows], n)
+            for i, a in zip(rows, audio):
+                out[i] = a
+        return out
+
+    def _decode_group(self, states: list[DecodeState], n: int) -> list[np.ndarray]:
+        device = self.device
+        frames = np.zeros((len(states), n, 7), dtype=np.int64)
+        for row, st in enumerate(states):
+            if st.pending:
+                got = np.concatenate(st.pending)
+                frames[row, : len(got)] = got
+        fb = np.array([st.frames_in for st in states], dtype=np.int64)
+        m = np.array([st.pending_frames for st in states], dtype=np.int64)
+        final = np.array([st.final for st in states])
+        end = np.where(final, fb + m, np.iinfo(np.int64).max // (4 * SAMPLES_PER_FRAME))
+        start = fb * SAMPLES_PER_FRAME - self.latency_samples
+        audio, buffers = self._run(frames, fb, end, final.any() or fb.min() < self.warmup_frames, states)
+        self.calls += 1
+        self.rows += len(states)
+        self.calls_by_chunk[n] = self.calls_by_chunk.get(n, 0) + 1
+        total = np.where(final, (fb + m) * SAMPLES_PER_FRAME, -1)
+        start_t = torch.from_numpy(start).to(device)
+        audio = fade_edges(audio, start_t, torch.from_numpy(total).to(device))
+        pcm = to_int16(audio).cpu().numpy()
+        out: list[np.ndarray] = []
+        for row, st in enumerate(states):
+            lo = max(0, -int(start[row]))
+            hi = int(total[row] - start[row]) if final[row] else n * SAMPLES_PER_FRAME
+            hi = max(lo, min(hi, n * SAMPLES_PER_FRAME))
+            out.append(pcm[row, lo:hi])
+            st.frames_in += int(m[row])
+            st.samples_out += hi - lo
+            st.pending.clear()
+            st.buffers = None if st.final else [b[row : row + 1] for b in buffers]
+        return out
+
+    def _run(self, frames: np.ndarray, fb: np.ndarray, end: np.ndarray, need_mask: bool,
+             states: list[DecodeState]) -> tuple[Tensor, list[Tensor]]:
+        """Run the layers on (B, n, 7) frames: float audio (B, n·2048) and the new layer buffers."""
+        device, dtype = self.device, next(self.snac.parameters()).dtype
+        for st in states:
+            if st.buffers is None:
+                st.buffers = [torch.zeros(1, c, k, device=device, dtype=dtype) for c, k in self._shapes()]
+        buffers = [torch.cat(col) for col in zip(*(st.buffers for st in states))]
+        codes = [torch.from_numpy(c).to(device) for c in frames_to_levels(frames)]
+        x = self.snac.quantizer.from_codes(codes)
+        step = _Step(torch.from_numpy(fb).to(device), torch.from_numpy(end).to(device), buffers, bool(need_mask))
+        for layer in self.layers:
+            x = layer(x, step)
+        return torch.tanh(x[:, 0]), step.buffers_out
+
+    def _shapes(self) -> list[tuple[int, int]]:
+        return [s for layer in self.layers for s in layer.buffer_shapes()]
+
+    def stats(self) -> dict[str, object]:
+        return {"decoder_calls": self.calls, "decoded_rows": self.rows, "decoder_calls_by_chunk": dict(self.calls_by_chunk)}
+
+
+class NullDecoder(StreamingDecoder):
+    """Silence on the streaming decoder's exact schedule, with no model: measures everything else."""
+
+    def __init__(self, first_chunk_frames: int = 4):
+        super().__init__(None, first_chunk_frames)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _run(self, frames: np.ndarray, fb: np.ndarray, end: np.ndarray, need_mask: bool,
+             states: list[DecodeState]) -> tuple[Tensor, list[Tensor]]:
+        return torch.zeros(len(states), frames.shape[1] * SAMPLES_PER_FRAME), []
+
+
+# Look-ahead of the SNAC 24 kHz decoder in samples (what StreamingDecoder measures from its layers).
+SNAC24_LATENCY = 4757
+_NO_AUDIO = np.zeros(0, dtype=np.int16)
+
+
+def _build_layers(snac: nn.Module) -> list[_Layer]:
+    """Streaming layers mirroring snac.decoder.model, sharing its weights."""
+    from snac.layers import DecoderBlock, ResidualUnit, Snake1d
+
+    layers: list[_Layer] = []
+    per_frame, delay = LATENT_PER_FRAME, 0
+
+    def add(layer: _Layer) -> None:
+        nonlocal per_frame, delay
+        layers.append(layer)
+        per_frame, delay = layer.out_per_frame, layer.out_delay
+
+    for module in snac.decoder.model:
+        if isinstance(module, DecoderBlock):
+            for sub in module.block:
+                if isinstance(sub, Snake1d):
+                    add(_Snake(sub, per_frame, delay))
+                elif isinstance(sub, nn.ConvTranspose1d):
+                    add(_ConvTranspose(sub, per_frame, delay))
+                elif isinstance(sub, PositionalNoise):
+                    add(_Noise(sub, per_frame, delay))
+                elif isinstance(sub, ResidualUnit):
+                    add(_Residual(sub, per_frame, delay))
+                else:
+                    raise ValueError(f"unexpected SNAC decoder block layer {type(sub).__name__}")
+        elif isinstance(module, Snake1d):
+            add(_Snake(module, per_frame, delay))
+        elif isinstance(module, nn.Conv1d):
+            add(_Pointwise(module, per_frame, delay) if module.kernel_size[0] == 1 else _Conv(module, per_frame, delay))
+        elif isinstance(module, nn.Tanh):
+            continue  # applied at the end of _run
+        else:
+            raise ValueError(f"unexpected SNAC decoder layer {type(module).__name__} (deterministic noise not set?)")
+    return layers
+
+
+@torch.inference_mode()
+def reference_decode(snac: nn.Module, windows: np.ndarray) -> np.ndarray:
+    """The reference scheme: decode (B, 4, 7) frame windows whole and keep the second frame (B, 2048)."""
+    device = next(snac.parameters()).device
+    codes = [torch.from_numpy(c).to(device) for c in frames_to_levels(windows)]
+    audio = snac.decode(codes)[:, 0, SAMPLES_PER_FRAME : 2 * SAMPLES_PER_FRAME]
+    return to_int16(audio).cpu().numpy()

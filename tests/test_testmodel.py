@@ -1,0 +1,143 @@
+"""The test checkpoint: Orpheus token ids, config and formats, SNAC architecture, determinism."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME
+from orpheus_tts_plugin.testmodel import SNAC_24KHZ, _write_snac, make_test_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("testmodel")
+    make_test_model(out, snac="full", seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = AutoTokenizer.from_pretrained(model_dir / "orpheus")
+    assert isinstance(tok, PreTrainedTokenizerFast)
+    return tok
+
+
+def test_tokenizer_ids_match_orpheus(tokenizer) -> None:
+    spec = ENGLISH
+    assert len(tokenizer) == spec.vocab_size
+    ids = tokenizer("tara: Hello").input_ids
+    assert ids[0] == spec.bos and spec.bos not in ids[1:] and max(ids[1:]) < 128_000
+    assert tokenizer.bos_token_id == spec.bos
+    expected = {
+        "<|begin_of_text|>": 128000,
+        "<|end_of_text|>": 128001,
+        "<|start_header_id|>": 128006,
+        "<|end_header_id|>": 128007,
+        "<|eot_id|>": spec.end_of_text,
+        "<|reserved_special_token_247|>": 128255,
+        "<custom_token_0>": spec.custom_token_base,
+        "<custom_token_2>": spec.end_of_speech,
+        "<custom_token_10>": spec.first_audio_token,
+        "<custom_token_28683>": spec.vocab_size - 1,
+    }
+    assert tokenizer.convert_tokens_to_ids(list(expected)) == list(expected.values())
+    assert tokenizer.decode([spec.first_audio_token]) == "<custom_token_10>"
+    audio = [spec.audio_token(k, 7) for k in range(7)]
+    assert tokenizer.decode(audio) == "".join(f"<custom_token_{i - spec.custom_token_base}>" for i in audio)
+    assert tokenizer("<custom_token_5><|eot_id|>", add_special_tokens=False).input_ids == [128261, 128009]
+
+
+def test_tokenizer_encodes_any_text(tokenizer) -> None:
+    text = "Héllo, wörld! 漢字 😀 <laugh> tabs\tand\nnewlines ~`^"
+    ids = tokenizer(text).input_ids
+    assert ids[0] == ENGLISH.bos
+    assert tokenizer.decode(ids[1:]) == text
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_orpheus_config_and_files(model_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    orpheus = model_dir / "orpheus"
+    raw = json.loads((orpheus / "config.json").read_text())
+    assert raw["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert raw["rope_theta"] == 500000.0
+    cfg = AutoConfig.from_pretrained(orpheus)
+    assert cfg.model_type == "llama" and cfg.architectures == ["LlamaForCausalLM"]
+    assert cfg.vocab_size == ENGLISH.vocab_size
+    assert cfg.tie_word_embeddings
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (128000, 128258, 128263)
+    assert cfg.rope_parameters["rope_type"] == "llama3" and cfg.rope_parameters["factor"] == 32.0
+    for name in ("model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (orpheus / name).is_file()
+    size = sum(f.stat().st_size for f in orpheus.iterdir())
+    assert size < 100e6
+
+
+def test_orpheus_model_loads(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir / "orpheus")
+    assert isinstance(model, LlamaForCausalLM) and model.dtype == torch.float32
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        logits = model(torch.tensor([[128259, 128000, 83, 285, 128009, 128260, 128261, 128257]])).logits
+    assert logits.shape == (1, 8, ENGLISH.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_full_snac_is_the_real_architecture(model_dir: Path) -> None:
+    from snac import SNAC
+
+    snac_dir = model_dir / "snac"
+    assert json.loads((snac_dir / "config.json").read_text()) == SNAC_24KHZ
+    model = SNAC.from_pretrained(str(snac_dir))
+    gen = torch.Generator().manual_seed(1)
+    codes = [torch.randint(0, 4096, (1, n), generator=gen) for n in (4, 8, 16)]
+    with torch.inference_mode():
+        audio = model.decode(codes)
+    assert audio.shape == (1, 1, 4 * SAMPLES_PER_FRAME)
+    rms = audio.pow(2).mean().sqrt().item()
+    assert 0.05 <= rms <= 0.5
+    assert (audio.abs() > 0.99).float().mean().item() < 0.01  # not saturated
+    assert audio.std(dim=-1).item() > 0.05  # varies
+
+
+def test_deterministic_given_seed(model_dir: Path, tmp_path: Path) -> None:
+    make_test_model(tmp_path, snac="tiny", seed=0)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert (tmp_path / "orpheus" / name).read_bytes() == (model_dir / "orpheus" / name).read_bytes(), name
+    _write_snac(tmp_path / "again", "tiny", seed=0)
+    _write_snac(tmp_path / "other", "tiny", seed=1)
+    weights = [(tmp_path / d / "pytorch_model.bin").read_bytes() for d in ("snac", "again", "other")]
+    assert weights[0] == weights[1] != weights[2]
+
+
+def test_tiny_snac_has_the_same_layout(model_dir: Path, tmp_path: Path) -> None:
+    from snac import SNAC
+
+    _write_snac(tmp_path, "tiny", seed=0)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config == {**SNAC_24KHZ, "decoder_dim": 64, "encoder_dim": 8}
+    model = SNAC.from_pretrained(str(tmp_path))
+    codes = [torch.randint(0, 4096, (2, n)) for n in (3, 6, 12)]
+    with torch.inference_mode():
+        audio = model.decode(codes)
+    assert audio.shape == (2, 1, 3 * SAMPLES_PER_FRAME)
+    assert 0.05 <= audio.pow(2).mean().sqrt().item() <= 0.5
+
+
+def test_bad_snac_kind(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="snac"):
+        make_test_model(tmp_path, snac="medium")

@@ -1,1 +1,29 @@
-"""Orpheus TTS inside a voice agent's process."""
+"""Orpheus TTS inside a voice agent's process: one shared engine, exact streaming, framework adapters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends.base import SamplingParams
+from .backends.synthetic import SyntheticConfig
+from .engine import AudioChunk, EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
+
+__all__ = [
+    "AudioChunk",
+    "EngineConfig",
+    "EngineError",
+    "EngineOverloadedError",
+    "OrpheusEngine",
+    "OrpheusTTSService",
+    "SamplingParams",
+    "SyntheticConfig",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Framework adapters load on first use, so importing the package never imports Pipecat."""
+    if name == "OrpheusTTSService":
+        from .pipecat import OrpheusTTSService
+
+        return OrpheusTTSService
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

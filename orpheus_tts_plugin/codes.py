@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -14,79 +15,82 @@ _POSITION_OFFSETS = np.arange(TOKENS_PER_FRAME, dtype=np.int64) * CODEBOOK_SIZE
 class FrameParser:
     """Turns one utterance's stream of generated ids into frames of 7 codes (0…4095).
 
-    Valid runs are handled in one vectorised pass; any anomaly (a non-audio id, an audio id for
-    the wrong frame position, an end-of-speech id inside a frame) drops the partial frame and
-    resumes at the next id that can start a frame. Anomalies are counted in `errors`.
+    Long runs of valid ids are checked in one vectorised pass; short runs (one engine step
+    usually brings one id) take a plain integer path, cheaper than any numpy call. Any anomaly
+    (a non-audio id, an audio id for the wrong frame position, an end-of-speech id inside a
+    frame) drops the partial frame and resumes at the next id that can start a frame.
+    Anomalies are counted in `errors`.
     """
+
+    VECTOR_MIN = 32  # ids per feed from which the numpy path is cheaper
 
     def __init__(self, spec: ModelSpec):
         self._base = spec.first_audio_token
         self._span = TOKENS_PER_FRAME * CODEBOOK_SIZE
         self._end = spec.end_of_speech
-        self._partial = np.empty(TOKENS_PER_FRAME, dtype=np.int64)
-        self._n_partial = 0
+        self._partial: list[int] = []
         self.ended = False
         self.frames_out = 0
         self.errors: collections.Counter[str] = collections.Counter()
 
-    def feed(self, ids: object) -> np.ndarray:
+    def feed(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Consume new ids; return the frames they complete as an int64 array (n, 7) of codes."""
-        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if arr.size == 0 or self.ended:
+        if self.ended or len(ids) == 0:
             return _EMPTY
-        rel = arr - self._base
-        phase = (self._n_partial + np.arange(arr.size)) % TOKENS_PER_FRAME
-        ok = (rel >= 0) & (rel < self._span) & (rel // CODEBOOK_SIZE == phase)
-        if ok.all():
-            return self._take(rel - _POSITION_OFFSETS[phase])
-        return self._feed_slow(arr)
+        if len(ids) >= self.VECTOR_MIN:
+            arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+            rel = arr - self._base
+            phase = (len(self._partial) + np.arange(arr.size)) % TOKENS_PER_FRAME
+            if ((rel >= 0) & (rel < self._span) & (rel // CODEBOOK_SIZE == phase)).all():
+                return self._take(rel - _POSITION_OFFSETS[phase])
+        return self._feed_ids(ids)
 
     def _take(self, codes: np.ndarray) -> np.ndarray:
-        """Append phase-correct codes; return the frames completed."""
-        n_total = self._n_partial + codes.size
-        n_frames = n_total // TOKENS_PER_FRAME
-        if n_frames == 0:
-            self._partial[self._n_partial : n_total] = codes
-            self._n_partial = n_total
-            return _EMPTY
-        joined = np.concatenate([self._partial[: self._n_partial], codes])
-        frames = joined[: n_frames * TOKENS_PER_FRAME].reshape(n_frames, TOKENS_PER_FRAME)
-        rest = joined[n_frames * TOKENS_PER_FRAME :]
-        self._partial[: rest.size] = rest
-        self._n_partial = rest.size
+        """Append a phase-correct run of codes; return the frames completed."""
+        joined = np.concatenate([np.asarray(self._partial, dtype=np.int64), codes])
+        n_frames = joined.size // TOKENS_PER_FRAME
+        cut = n_frames * TOKENS_PER_FRAME
+        self._partial = joined[cut:].tolist()
         self.frames_out += n_frames
-        return frames
+        return joined[:cut].reshape(n_frames, TOKENS_PER_FRAME)
 
-    def _feed_slow(self, arr: np.ndarray) -> np.ndarray:
-        """Token by token, for runs that contain an anomaly (rare)."""
-        out: list[np.ndarray] = []
-        for token in arr.tolist():
+    def _feed_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Id by id, with integer arithmetic: short runs, and runs that contain an anomaly."""
+        frames: list[list[int]] = []
+        partial = self._partial
+        for token in ids:
+            rel = int(token) - self._base - len(partial) * CODEBOOK_SIZE
+            if 0 <= rel < CODEBOOK_SIZE:
+                partial.append(rel)
+                if len(partial) == TOKENS_PER_FRAME:
+                    frames.append(partial)
+                    partial = []
+                continue
             if token == self._end:
-                if self._n_partial:
+                if partial:
                     self.errors["end_inside_frame"] += 1
-                    self._n_partial = 0
+                    partial = []
                 self.ended = True
                 break
-            rel = token - self._base
-            if not 0 <= rel < self._span:
+            position = (int(token) - self._base) // CODEBOOK_SIZE
+            if not 0 <= position < TOKENS_PER_FRAME:
                 self.errors["non_audio_id"] += 1
-                self._n_partial = 0
+                partial = []
                 continue
-            position = rel // CODEBOOK_SIZE
-            if position != self._n_partial:
-                self.errors["wrong_position"] += 1
-                self._n_partial = 0
-                if position != 0:
-                    continue
-            frames = self._take(np.array([rel - position * CODEBOOK_SIZE], dtype=np.int64))
-            if frames.size:
-                out.append(frames)
-        return np.concatenate(out) if out else _EMPTY
+            self.errors["wrong_position"] += 1
+            partial = []
+            if position == 0:
+                partial.append(int(token) - self._base)
+        self._partial = partial
+        if not frames:
+            return _EMPTY
+        self.frames_out += len(frames)
+        return np.array(frames, dtype=np.int64)
 
     @property
     def pending_tokens(self) -> int:
         """Ids of an incomplete frame held back."""
-        return self._n_partial
+        return len(self._partial)
 
 
 _EMPTY = np.empty((0, TOKENS_PER_FRAME), dtype=np.int64)

@@ -27,15 +27,18 @@ FADE_SAMPLES = 240  # 10 ms fade at each end of an utterance
 NOISE_PERIOD_FRAMES = 1024  # noise repeats after this many frames (87 s), longer than any utterance
 
 
-def load_snac(path_or_repo: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-              noise_seed: int = 0) -> nn.Module:
+def load_snac(
+    path_or_repo: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, noise_seed: int = 0
+) -> nn.Module:
     """Load a SNAC 24 kHz model (hub id or local dir) with position-seeded noise, in eval mode."""
     from snac import SNAC
 
     model = SNAC.from_pretrained(path_or_repo)
     if model.sampling_rate != SAMPLE_RATE or model.hop_length * LATENT_PER_FRAME != SAMPLES_PER_FRAME:
-        raise ValueError(f"{path_or_repo}: Orpheus needs the 24 kHz SNAC (hop 512), got "
-                         f"{model.sampling_rate} Hz, hop {model.hop_length}")
+        raise ValueError(
+            f"{path_or_repo}: Orpheus needs the 24 kHz SNAC (hop 512), got "
+            f"{model.sampling_rate} Hz, hop {model.hop_length}"
+        )
     if model.attn_window_size is not None:
         raise ValueError(f"{path_or_repo}: a SNAC decoder with local attention cannot stream exactly")
     model = model.to(device=device, dtype=dtype).eval()
@@ -171,7 +174,9 @@ class _Step:
 
 
 def _snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor) -> Tensor:
-    return x + inv_alpha * torch.sin(alpha * x).pow(2)
+    """SNAC's snake activation with one temporary instead of four."""
+    y = torch.mul(x, alpha).sin_()
+    return y.mul_(y).mul_(inv_alpha).add_(x)
 
 
 class _Layer:
@@ -281,7 +286,7 @@ class _Noise(_Layer):
 
     def __call__(self, x: Tensor, step: _Step) -> Tensor:
         pos = step.positions(self.per_frame, self.delay, x.shape[-1])
-        return x + self.noise.noise(pos).unsqueeze(1) * F.conv1d(x, self.weight)
+        return F.conv1d(x, self.weight).mul_(self.noise.noise(pos).unsqueeze(1)).add_(x)
 
 
 class _Residual(_Layer):
@@ -308,7 +313,7 @@ class _Residual(_Layer):
         for layer in self.layers:
             y = layer(y, step)
         skip = step.extend(x, self.lag)
-        return skip[..., : x.shape[-1]] + y
+        return y.add_(skip[..., : x.shape[-1]])
 
 
 class StreamingDecoder:
@@ -323,7 +328,8 @@ class StreamingDecoder:
         self.latency_samples = self.layers[-1].out_delay if self.layers else SNAC24_LATENCY
         self.flush_frames = math.ceil(self.latency_samples / SAMPLES_PER_FRAME)
         self.warmup_frames = max(
-            (math.ceil(layer.delay / layer.per_frame) for layer in self.layers), default=self.flush_frames)
+            (math.ceil(layer.delay / layer.per_frame) for layer in self.layers), default=self.flush_frames
+        )
         self.calls = 0
         self.rows = 0
         self.calls_by_chunk: dict[int, int] = {}
@@ -355,7 +361,6 @@ class StreamingDecoder:
         return out
 
     def _decode_group(self, states: list[DecodeState], n: int) -> list[np.ndarray]:
-        device = self.device
         frames = np.zeros((len(states), n, 7), dtype=np.int64)
         for row, st in enumerate(states):
             if st.pending:
@@ -366,14 +371,12 @@ class StreamingDecoder:
         final = np.array([st.final for st in states])
         end = np.where(final, fb + m, np.iinfo(np.int64).max // (4 * SAMPLES_PER_FRAME))
         start = fb * SAMPLES_PER_FRAME - self.latency_samples
-        audio, buffers = self._run(frames, fb, end, final.any() or fb.min() < self.warmup_frames, states)
+        total = np.where(final, (fb + m) * SAMPLES_PER_FRAME, -1)
+        need_mask = bool(final.any() or fb.min() < self.warmup_frames)
+        pcm, buffers = self._run(frames, fb, end, need_mask, states, start, total)
         self.calls += 1
         self.rows += len(states)
         self.calls_by_chunk[n] = self.calls_by_chunk.get(n, 0) + 1
-        total = np.where(final, (fb + m) * SAMPLES_PER_FRAME, -1)
-        start_t = torch.from_numpy(start).to(device)
-        audio = fade_edges(audio, start_t, torch.from_numpy(total).to(device))
-        pcm = to_int16(audio).cpu().numpy()
         out: list[np.ndarray] = []
         for row, st in enumerate(states):
             lo = max(0, -int(start[row]))
@@ -386,9 +389,17 @@ class StreamingDecoder:
             st.buffers = None if st.final else [b[row : row + 1] for b in buffers]
         return out
 
-    def _run(self, frames: np.ndarray, fb: np.ndarray, end: np.ndarray, need_mask: bool,
-             states: list[DecodeState]) -> tuple[Tensor, list[Tensor]]:
-        """Run the layers on (B, n, 7) frames: float audio (B, n·2048) and the new layer buffers."""
+    def _run(
+        self,
+        frames: np.ndarray,
+        fb: np.ndarray,
+        end: np.ndarray,
+        need_mask: bool,
+        states: list[DecodeState],
+        start: np.ndarray,
+        total: np.ndarray,
+    ) -> tuple[np.ndarray, list[Tensor]]:
+        """Run the layers on (B, n, 7) frames: int16 audio (B, n·2048), faded, and the new layer buffers."""
         device, dtype = self.device, next(self.snac.parameters()).dtype
         for st in states:
             if st.buffers is None:
@@ -396,16 +407,22 @@ class StreamingDecoder:
         buffers = [torch.cat(col) for col in zip(*(st.buffers for st in states))]
         codes = [torch.from_numpy(c).to(device) for c in frames_to_levels(frames)]
         x = self.snac.quantizer.from_codes(codes)
-        step = _Step(torch.from_numpy(fb).to(device), torch.from_numpy(end).to(device), buffers, bool(need_mask))
+        fb_t, end_t = torch.from_numpy(fb).to(device), torch.from_numpy(end).to(device)
+        step = _Step(fb_t, end_t, buffers, need_mask)
         for layer in self.layers:
             x = layer(x, step)
-        return torch.tanh(x[:, 0]), step.buffers_out
+        audio = fade_edges(torch.tanh(x[:, 0]), torch.from_numpy(start).to(device), torch.from_numpy(total).to(device))
+        return to_int16(audio).cpu().numpy(), step.buffers_out
 
     def _shapes(self) -> list[tuple[int, int]]:
         return [s for layer in self.layers for s in layer.buffer_shapes()]
 
     def stats(self) -> dict[str, object]:
-        return {"decoder_calls": self.calls, "decoded_rows": self.rows, "decoder_calls_by_chunk": dict(self.calls_by_chunk)}
+        return {
+            "decoder_calls": self.calls,
+            "decoded_rows": self.rows,
+            "decoder_calls_by_chunk": dict(self.calls_by_chunk),
+        }
 
 
 class NullDecoder(StreamingDecoder):
@@ -418,9 +435,17 @@ class NullDecoder(StreamingDecoder):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    def _run(self, frames: np.ndarray, fb: np.ndarray, end: np.ndarray, need_mask: bool,
-             states: list[DecodeState]) -> tuple[Tensor, list[Tensor]]:
-        return torch.zeros(len(states), frames.shape[1] * SAMPLES_PER_FRAME), []
+    def _run(
+        self,
+        frames: np.ndarray,
+        fb: np.ndarray,
+        end: np.ndarray,
+        need_mask: bool,
+        states: list[DecodeState],
+        start: np.ndarray,
+        total: np.ndarray,
+    ) -> tuple[np.ndarray, list[Tensor]]:
+        return np.zeros((len(states), frames.shape[1] * SAMPLES_PER_FRAME), dtype=np.int16), []
 
 
 # Look-ahead of the SNAC 24 kHz decoder in samples (what StreamingDecoder measures from its layers).

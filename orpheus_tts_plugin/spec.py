@@ -63,8 +63,7 @@ class ModelSpec:
             return self.default_voice
         if self.voices and voice not in self.voices:
             raise ValueError(
-                f"unknown voice {voice!r} for model family {self.name!r}; "
-                f"valid voices: {', '.join(self.voices)}"
+                f"unknown voice {voice!r} for model family {self.name!r}; valid voices: {', '.join(self.voices)}"
             )
         return voice
 

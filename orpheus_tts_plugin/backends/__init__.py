@@ -1,0 +1,72 @@
+"""Token backends behind one protocol, built by name from an EngineConfig."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .base import BackendError, FinishReason, GenerationRequest, SamplingParams, TokenBackend, TokenStream
+
+if TYPE_CHECKING:
+    from ..engine import EngineConfig
+    from ..spec import ModelSpec
+
+__all__ = [
+    "BackendError",
+    "FinishReason",
+    "GenerationRequest",
+    "SamplingParams",
+    "TokenBackend",
+    "TokenStream",
+    "make_backend",
+    "make_tokenizer",
+]
+
+BACKENDS = ("hf", "synthetic", "trtllm", "vllm", "remote")
+
+
+def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBackend:
+    """The backend named by `config.backend`, imported only when chosen."""
+    options: dict[str, Any] = dict(config.backend_options)
+    name = config.backend
+    if name == "synthetic":
+        from .synthetic import SyntheticBackend
+
+        return SyntheticBackend(config.synthetic, spec=spec, **options)
+    if config.model is None:
+        raise ValueError(f"backend {name!r} needs EngineConfig.model")
+    if name == "hf":
+        from .hf import HFBackend
+
+        return HFBackend(
+            config.model,
+            device=device,
+            max_batch_size=config.max_batch_size,
+            max_seq_len=config.max_seq_len,
+            spec=spec,
+            **options,
+        )
+    raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+class ByteTokenizer:
+    """Stand-in tokenizer for the synthetic backend when no model is given: BOS + one id per UTF-8 byte."""
+
+    def __init__(self, bos: int):
+        self.bos = bos
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [self.bos, *text.encode("utf-8")]}
+
+
+def make_tokenizer(config: EngineConfig) -> Any:
+    """The model's Hugging Face tokenizer (or a byte stand-in for a model-less synthetic engine)."""
+    from ..spec import spec_for
+
+    source = config.tokenizer or config.model
+    if source is None:
+        if config.backend != "synthetic":
+            raise ValueError("EngineConfig.model (or .tokenizer) is required")
+        return ByteTokenizer(spec_for(config.model_family).bos)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)

@@ -1,0 +1,353 @@
+"""Remote backend: an OpenAI-compatible `/v1/completions` server streaming tokens over SSE (aiohttp).
+
+This is how CPU-only agent processes share a pool of GPU servers (trtllm-serve, vLLM, SGLang, `transformers
+serve`) behind a load balancer. Prompts go out as token ids where the server accepts them; token ids come back
+where the server streams them (trtllm-serve with `detokenize: false`, vLLM with `return_token_ids`), otherwise
+`<custom_token_N>` is parsed from the streamed text (id = 128256 + N). One `aiohttp.ClientSession` per backend
+(the engine is process-wide, so one per process); closing a stream closes its HTTP response, which makes the
+server abort the request. Tested here against a real `transformers serve` on 127.0.0.1 (dialect
+"transformers"); the "vllm" and "trtllm" dialects follow those servers' documented request fields and have NOT
+been run against real vLLM or trtllm-serve servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from typing import Any
+
+try:
+    import aiohttp
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("the remote backend needs aiohttp: pip install 'orpheus-tts-plugin[remote]'") from exc
+
+from ..spec import ENGLISH, ModelSpec
+from .base import BackendError, FinishReason, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+# How each server family wants a completion request: prompt as ids or text, and which non-OpenAI fields it takes
+# (trtllm-serve and transformers serve reject unknown fields, so each dialect sends only what its server knows).
+DIALECTS = ("vllm", "trtllm", "openai", "transformers")
+_RETRY_STATUS = frozenset({502, 503, 504})  # a load balancer with no healthy upstream yet
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+_CUSTOM = re.compile(r"<custom_token_(\d+)>")
+_CUSTOM_PREFIX = "<custom_token_"
+
+
+class CustomTokenText:
+    """Streamed text → ids: `<custom_token_N>` is id base+N; other non-blank text counts as one non-audio id.
+
+    A chunk may end inside a token name (`<custom_tok`); that tail waits for the next chunk. Whitespace between
+    tokens is ignored (detokenisers may add it); any other text becomes `other` (a non-audio id such as pad) so
+    the frame parser counts it as invalid instead of silently losing it.
+    """
+
+    def __init__(self, base: int, other: int):
+        self.base = base
+        self.other = other
+        self._tail = ""
+
+    def feed(self, text: str) -> list[int]:
+        s = self._tail + text
+        self._tail = ""
+        cut = s.rfind("<")
+        if cut != -1 and _is_partial(s[cut:]):
+            s, self._tail = s[:cut], s[cut:]
+        ids: list[int] = []
+        pos = 0
+        for m in _CUSTOM.finditer(s):
+            if s[pos:m.start()].strip():
+                ids.append(self.other)
+            ids.append(self.base + int(m.group(1)))
+            pos = m.end()
+        if s[pos:].strip():
+            ids.append(self.other)
+        return ids
+
+    def flush(self) -> list[int]:
+        """Ids of a leftover partial tail at the end of the stream (it was not a token)."""
+        tail, self._tail = self._tail, ""
+        return [self.other] if tail.strip() else []
+
+
+def _is_partial(fragment: str) -> bool:
+    """True if `fragment` could still grow into `<custom_token_N>`."""
+    if len(fragment) <= len(_CUSTOM_PREFIX):
+        return _CUSTOM_PREFIX.startswith(fragment)
+    return fragment.startswith(_CUSTOM_PREFIX) and fragment[len(_CUSTOM_PREFIX):].isdigit()
+
+
+def _base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+class RemoteBackend:
+    """Token generation on a remote OpenAI-compatible completions server."""
+
+    name = "remote"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        dialect: str = "vllm",
+        spec: ModelSpec = ENGLISH,
+        tokenizer: Any = None,
+        api_key: str | None = None,
+        constrain_audio: bool = False,
+        connect_retries: int = 3,
+        retry_backoff_s: float = 0.2,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 60.0,
+        max_connections: int = 1024,
+        extra_body: dict[str, Any] | None = None,
+    ):
+        if dialect not in DIALECTS:
+            raise ValueError(f"unknown remote dialect {dialect!r}; choose one of {', '.join(DIALECTS)}")
+        if dialect == "transformers" and tokenizer is None:
+            raise ValueError("the 'transformers' dialect sends text prompts and needs `tokenizer` (path, id or object)")
+        if connect_retries < 0 or retry_backoff_s < 0:
+            raise ValueError("connect_retries and retry_backoff_s must be >= 0")
+        self.url = _base_url(url)
+        self.endpoint = f"{self.url}/v1/completions"
+        self.model = model
+        self.dialect = dialect
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.api_key = api_key
+        self.constrain_audio = constrain_audio
+        self.connect_retries = connect_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_connections = max_connections
+        self.extra_body = dict(extra_body or {})
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._allowed_json = json.dumps([*range(spec.first_audio_token, spec.audio_token_end), spec.end_of_speech])
+        self._live = 0
+        self._counts = {"requests": 0, "tokens": 0, "retries": 0, "aborted": 0, "errors": 0}
+
+    async def start(self) -> None:
+        if self._session is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.max_connections),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
+                                          sock_read=self.read_timeout_s),
+            headers=headers,
+        )
+        if isinstance(self.tokenizer, str):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.tokenizer)
+        if self.model is None:
+            self.model = await self._first_model()
+
+    async def _first_model(self) -> str:
+        """The first model id the server lists (GET /v1/models), retried like requests."""
+        err: BaseException | None = None
+        for attempt in range(self.connect_retries + 1):
+            try:
+                async with self._session.get(f"{self.url}/v1/models") as resp:
+                    if resp.status == 200:
+                        return (await resp.json())["data"][0]["id"]
+                    err = BackendError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+                    if resp.status not in _RETRY_STATUS:
+                        break
+            except aiohttp.ClientConnectionError as exc:
+                err = exc
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                raise BackendError(f"{self.url}/v1/models lists no model; pass model=...") from exc
+            await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+        raise BackendError(f"cannot list models at {self.url}/v1/models: {err}")
+
+    def request_body(self, req: GenerationRequest) -> str:
+        """The JSON body of one streaming completion request in this backend's dialect."""
+        s = req.sampling
+        stop = list(dict.fromkeys((self.spec.end_of_speech, *req.stop_ids)))
+        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_new_tokens, "stream": True,
+                                "temperature": s.temperature, "top_p": s.top_p}
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if self.dialect == "transformers":
+            body["prompt"] = self.tokenizer.decode(list(req.prompt_ids), skip_special_tokens=False)
+            gen = {"do_sample": s.temperature > 0, "repetition_penalty": s.repetition_penalty,
+                   "eos_token_id": stop, "pad_token_id": self.spec.pad, "bos_token_id": self.spec.bos}
+            if s.temperature > 0:
+                gen.update(temperature=s.temperature, top_p=s.top_p)
+            body["generation_config"] = json.dumps(gen)
+        else:
+            body["prompt"] = list(req.prompt_ids)
+        if self.dialect in ("vllm", "trtllm"):
+            body.update(repetition_penalty=s.repetition_penalty, stop_token_ids=stop, skip_special_tokens=False)
+        if self.dialect == "vllm":
+            body["return_token_ids"] = True
+        elif self.dialect == "trtllm":
+            body["detokenize"] = False
+        body.update(self.extra_body)
+        text = json.dumps(body)
+        if self.dialect == "vllm" and self.constrain_audio and req.constrain_audio:
+            text = f'{text[:-1]}, "allowed_token_ids": {self._allowed_json}}}'
+        return text
+
+    def generate(self, req: GenerationRequest) -> RemoteStream:
+        if self._session is None:
+            raise BackendError("remote backend is not started")
+        if asyncio.get_running_loop() is not self._loop:
+            raise BackendError("remote backend: generate() must run on the loop that started it")
+        self._counts["requests"] += 1
+        self._live += 1
+        return RemoteStream(self, req)
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": self.name, "url": self.url, "live_requests": self._live, **self._counts}
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def _ended(self, reason: str) -> None:
+        self._live -= 1
+        if reason == FinishReason.ABORTED:
+            self._counts["aborted"] += 1
+        elif reason == FinishReason.ERROR:
+            self._counts["errors"] += 1
+
+
+class RemoteStream:
+    """New ids of one remote request, one SSE event at a time; `aclose()` closes the HTTP response."""
+
+    def __init__(self, backend: RemoteBackend, req: GenerationRequest):
+        self.req = req
+        self.finish_reason: str | None = None
+        self._backend = backend
+        self._resp: aiohttp.ClientResponse | None = None
+        self._stop = frozenset((backend.spec.end_of_speech, *req.stop_ids))
+        self._text = CustomTokenText(backend.spec.custom_token_base, backend.spec.pad)
+        self._ended = False  # no more ids: finish seen, failed or closed
+        self._drain_pending = False
+
+    def __aiter__(self) -> RemoteStream:
+        return self
+
+    async def __anext__(self) -> list[int]:
+        if self._resp is None and not self._ended:
+            await self._open()
+        while not self._ended:
+            data = await self._next_event()
+            if self._ended:  # closed by aclose() while reading
+                break
+            if data is None:
+                self._fail("the server ended the stream without a finish reason")
+            if "error" in data:
+                self._fail(f"the server reported an error: {str(data['error'])[:500]}")
+            choices = data.get("choices") or ()
+            if not choices:
+                continue  # e.g. a usage-only chunk
+            choice = choices[0]
+            token_ids = choice.get("token_ids")
+            ids = list(token_ids) if token_ids is not None else self._text.feed(choice.get("text") or "")
+            reason = choice.get("finish_reason")
+            if reason is not None:
+                if token_ids is None:
+                    ids += self._text.flush()
+                self._end(_FINISH.get(reason, FinishReason.ERROR))
+                self._drain_pending = True
+            ids = [i for i in ids if i not in self._stop]
+            if ids:
+                self._backend._counts["tokens"] += len(ids)
+                return ids
+        if self._drain_pending:
+            self._drain_pending = False
+            await self._drain()
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Close the HTTP response: a server still generating sees the disconnect and aborts the request."""
+        if not self._ended:
+            self._end(FinishReason.ABORTED)
+        if self._resp is not None and (self._drain_pending or self.finish_reason == FinishReason.ABORTED):
+            self._resp.close()  # aborted, or finished with the body's tail unread: the connection is not reused
+        self._drain_pending = False
+
+    async def _open(self) -> None:
+        """POST the request; connection failures before any response are retried with exponential backoff."""
+        b = self._backend
+        body = b.request_body(self.req)
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        err: BaseException | None = None
+        for attempt in range(b.connect_retries + 1):
+            if attempt:
+                b._counts["retries"] += 1
+                await asyncio.sleep(b.retry_backoff_s * 2 ** (attempt - 1))
+            if self._ended:  # closed while retrying
+                raise StopAsyncIteration
+            try:
+                resp = await b._session.post(b.endpoint, data=body, headers=headers)
+            except aiohttp.ClientConnectionError as exc:
+                err = exc
+                continue
+            if resp.status == 200:
+                if self._ended:  # closed while connecting
+                    resp.close()
+                    raise StopAsyncIteration
+                self._resp = resp
+                return
+            detail = (await resp.text())[:500]
+            resp.release()
+            err = BackendError(f"HTTP {resp.status} from {b.endpoint}: {detail}")
+            if resp.status not in _RETRY_STATUS:
+                break
+        self._fail(f"request {self.req.request_id} to {b.endpoint} failed after {attempt + 1} attempt(s): {err}")
+
+    async def _next_event(self) -> dict[str, Any] | None:
+        """The next SSE `data:` payload as JSON; None at the end of the stream (EOF or `[DONE]`)."""
+        content = self._resp.content
+        while True:
+            try:
+                line = await content.readline()
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: line too long
+                if self._ended:  # closed by aclose() while reading
+                    raise StopAsyncIteration from None
+                self._fail(f"stream broken: {exc!r}")
+            if not line:
+                return None
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, `event:` lines
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return None
+            try:
+                return json.loads(payload)
+            except ValueError:
+                self._fail(f"unparseable SSE data: {payload[:200]!r}")
+
+    async def _drain(self) -> None:
+        """Read what follows the finish chunk (usage, `[DONE]`) so the connection can be reused; bounded."""
+        try:
+            await asyncio.wait_for(self._resp.read(), 1.0)
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            self._resp.close()
+        else:
+            self._resp.release()
+
+    def _end(self, reason: str) -> None:
+        self._ended = True
+        self.finish_reason = reason
+        self._backend._ended(reason)
+
+    def _fail(self, message: str) -> None:
+        if not self._ended:
+            self._end(FinishReason.ERROR)
+        if self._resp is not None:
+            self._resp.close()
+        raise BackendError(f"remote backend: {message}")

@@ -1,0 +1,43 @@
+"""Replay saved token ids through the decoder, streaming (as the engine feeds it) or whole at once."""
+
+from __future__ import annotations
+
+import numpy as np
+from torch import nn
+
+from .codes import FrameParser
+from .decoder import StreamingDecoder, offline_decode
+from .spec import ModelSpec
+
+
+def split_utterances(ids: np.ndarray, spec: ModelSpec) -> list[np.ndarray]:
+    """Saved ids (utterances each closed by the end-of-speech id) → one id array per utterance."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    ends = np.flatnonzero(ids == spec.end_of_speech)
+    pieces = np.split(ids, ends + 1)
+    return [p[:-1] if p.size and p[-1] == spec.end_of_speech else p for p in pieces if p.size]
+
+
+def replay_streaming(decoder: StreamingDecoder, ids: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """Feed ids one by one to the frame parser and decode whenever the engine would: int16 audio."""
+    out: list[np.ndarray] = []
+    for utterance in split_utterances(ids, spec):
+        parser, state = FrameParser(spec), decoder.new_state()
+        for token in utterance:
+            frames = parser.feed([token])
+            if len(frames):
+                state.pending.append(frames)
+            if state.ready(decoder.first_chunk_frames):
+                out.extend(decoder.decode([state]))
+        state.final = True
+        out.extend(decoder.decode([state]))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int16)
+
+
+def replay_offline(snac: nn.Module, ids: np.ndarray, spec: ModelSpec) -> np.ndarray:
+    """Parse each utterance whole and decode it in one SNAC call: int16 audio."""
+    out = []
+    for utterance in split_utterances(ids, spec):
+        frames = FrameParser(spec).feed(utterance)
+        out.append(offline_decode(snac, frames))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int16)

@@ -201,7 +201,7 @@ def _write_orpheus(out: Path, seed: int) -> None:
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _write_snac(out: Path, snac: str, seed: int) -> None:
+def write_snac(out: Path, snac: str = "full", seed: int = 0) -> None:
     """Random SNAC (real 24 kHz config, or narrow 'tiny') as config.json + pytorch_model.bin in `out`."""
     from snac import SNAC
 
@@ -236,4 +236,4 @@ def make_test_model(out_dir: str | Path, snac: str = "full", seed: int = 0) -> N
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_orpheus(out / "orpheus", seed)
-    _write_snac(out / "snac", snac, seed)
+    write_snac(out / "snac", snac, seed)

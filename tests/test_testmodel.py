@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME
-from orpheus_tts_plugin.testmodel import SNAC_24KHZ, _write_snac, make_test_model
+from orpheus_tts_plugin.testmodel import SNAC_24KHZ, write_snac, make_test_model
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +118,8 @@ def test_deterministic_given_seed(model_dir: Path, tmp_path: Path) -> None:
     make_test_model(tmp_path, snac="tiny", seed=0)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
         assert (tmp_path / "orpheus" / name).read_bytes() == (model_dir / "orpheus" / name).read_bytes(), name
-    _write_snac(tmp_path / "again", "tiny", seed=0)
-    _write_snac(tmp_path / "other", "tiny", seed=1)
+    write_snac(tmp_path / "again", "tiny", seed=0)
+    write_snac(tmp_path / "other", "tiny", seed=1)
     weights = [(tmp_path / d / "pytorch_model.bin").read_bytes() for d in ("snac", "again", "other")]
     assert weights[0] == weights[1] != weights[2]
 
@@ -127,7 +127,7 @@ def test_deterministic_given_seed(model_dir: Path, tmp_path: Path) -> None:
 def test_tiny_snac_has_the_same_layout(model_dir: Path, tmp_path: Path) -> None:
     from snac import SNAC
 
-    _write_snac(tmp_path, "tiny", seed=0)
+    write_snac(tmp_path, "tiny", seed=0)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config == {**SNAC_24KHZ, "decoder_dim": 64, "encoder_dim": 8}
     model = SNAC.from_pretrained(str(tmp_path))

@@ -332,6 +332,7 @@ class StreamingDecoder:
         )
         self.calls = 0
         self.rows = 0
+        self.frames = 0  # frames run through the layers, flush padding included: each frame once
         self.calls_by_chunk: dict[int, int] = {}
 
     @property
@@ -343,31 +344,36 @@ class StreamingDecoder:
 
     @torch.inference_mode()
     def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]:
-        """Decode every pending frame of `states` (and flush the final ones): new int16 audio of each."""
+        """Decode the pending frames of `states` (flushing the final ones): new int16 audio of each.
+
+        A first chunk takes exactly `first_chunk_frames` frames, however many are waiting, so
+        the first audio of an utterance is never delayed by decoding more than it needs.
+        """
         out: list[np.ndarray] = [_NO_AUDIO] * len(states)
-        groups: dict[int, list[int]] = {}
+        groups: dict[int, list[tuple[int, np.ndarray, bool]]] = {}
         for i, st in enumerate(states):
-            m = st.pending_frames
-            if st.final and st.frames_in + m == 0:
-                st.pending.clear()
+            frames = np.concatenate(st.pending) if st.pending else _NO_FRAMES
+            st.pending.clear()
+            if st.frames_in == 0 and len(frames) > self.first_chunk_frames and not st.final:
+                frames, rest = frames[: self.first_chunk_frames], frames[self.first_chunk_frames :]
+                st.pending.append(rest)
+            if st.final and st.frames_in + len(frames) == 0:
                 continue
-            n = m + (self.flush_frames if st.final else 0)
+            n = len(frames) + (self.flush_frames if st.final else 0)
             if n:
-                groups.setdefault(n, []).append(i)
+                groups.setdefault(n, []).append((i, frames, st.final))
         for n, rows in groups.items():
-            audio = self._decode_group([states[i] for i in rows], n)
-            for i, a in zip(rows, audio):
+            audio = self._decode_group([states[i] for i, _, _ in rows], [f for _, f, _ in rows], n)
+            for (i, _, _), a in zip(rows, audio):
                 out[i] = a
         return out
 
-    def _decode_group(self, states: list[DecodeState], n: int) -> list[np.ndarray]:
+    def _decode_group(self, states: list[DecodeState], chunks: list[np.ndarray], n: int) -> list[np.ndarray]:
         frames = np.zeros((len(states), n, 7), dtype=np.int64)
-        for row, st in enumerate(states):
-            if st.pending:
-                got = np.concatenate(st.pending)
-                frames[row, : len(got)] = got
+        for row, chunk in enumerate(chunks):
+            frames[row, : len(chunk)] = chunk
         fb = np.array([st.frames_in for st in states], dtype=np.int64)
-        m = np.array([st.pending_frames for st in states], dtype=np.int64)
+        m = np.array([len(c) for c in chunks], dtype=np.int64)
         final = np.array([st.final for st in states])
         end = np.where(final, fb + m, np.iinfo(np.int64).max // (4 * SAMPLES_PER_FRAME))
         start = fb * SAMPLES_PER_FRAME - self.latency_samples
@@ -376,6 +382,7 @@ class StreamingDecoder:
         pcm, buffers = self._run(frames, fb, end, need_mask, states, start, total)
         self.calls += 1
         self.rows += len(states)
+        self.frames += n * len(states)
         self.calls_by_chunk[n] = self.calls_by_chunk.get(n, 0) + 1
         out: list[np.ndarray] = []
         for row, st in enumerate(states):
@@ -385,7 +392,6 @@ class StreamingDecoder:
             out.append(pcm[row, lo:hi])
             st.frames_in += int(m[row])
             st.samples_out += hi - lo
-            st.pending.clear()
             st.buffers = None if st.final else [b[row : row + 1] for b in buffers]
         return out
 
@@ -419,6 +425,7 @@ class StreamingDecoder:
 
     def stats(self) -> dict[str, object]:
         return {
+            "decoded_frames": self.frames,
             "decoder_calls": self.calls,
             "decoded_rows": self.rows,
             "decoder_calls_by_chunk": dict(self.calls_by_chunk),
@@ -451,6 +458,7 @@ class NullDecoder(StreamingDecoder):
 # Look-ahead of the SNAC 24 kHz decoder in samples (what StreamingDecoder measures from its layers).
 SNAC24_LATENCY = 4757
 _NO_AUDIO = np.zeros(0, dtype=np.int16)
+_NO_FRAMES = np.zeros((0, 7), dtype=np.int64)
 
 
 def _build_layers(snac: nn.Module) -> list[_Layer]:

@@ -1,0 +1,108 @@
+"""The `orpheus-tts` command end to end: make-test-model, say, decode (streaming and offline), bench."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def orpheus_tts(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "orpheus_tts_plugin.cli", *args], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def said(tmp_path_factory: pytest.TempPathFactory, test_model_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("say")
+    orpheus_tts(
+        "say",
+        "Hello there. How are you today?",
+        "--model",
+        str(test_model_dir / "orpheus"),
+        "--snac",
+        str(test_model_dir / "snac"),
+        "--voice",
+        "tara",
+        "--seed",
+        "5",
+        "--out",
+        str(out / "a.wav"),
+        "--save-tokens",
+        str(out / "t.npy"),
+    )
+    return out
+
+
+def _wav(path: Path) -> np.ndarray:
+    with wave.open(str(path)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+
+
+def test_say_writes_a_24k_mono_wav_and_the_tokens(said: Path) -> None:
+    audio = _wav(said / "a.wav")
+    ids = np.load(said / "t.npy")
+    assert audio.size > 0 and audio.size % 2048 == 0
+    assert ids[-1] == 128258 and (ids[:-1] >= 128266).all()
+    assert audio.size == (ids.size - 1) // 7 * 2048
+
+
+def test_decode_streaming_and_offline_agree_and_match_say(said: Path, test_model_dir: Path) -> None:
+    snac = str(test_model_dir / "snac")
+    orpheus_tts("decode", str(said / "t.npy"), "--snac", snac, "--out", str(said / "s.wav"))
+    orpheus_tts("decode", str(said / "t.npy"), "--snac", snac, "--out", str(said / "o.wav"), "--offline")
+    streamed, offline, spoken = _wav(said / "s.wav"), _wav(said / "o.wav"), _wav(said / "a.wav")
+    assert streamed.size == offline.size == spoken.size
+    assert "OK" in orpheus_tts("compare", str(said / "s.wav"), str(said / "o.wav"))
+    assert np.abs(spoken.astype(int) - offline.astype(int)).max() <= 33
+
+
+def test_compare_fails_on_different_audio(said: Path, tmp_path: Path) -> None:
+    from orpheus_tts_plugin.cli import write_wav
+
+    noisy = _wav(said / "a.wav").astype(int) + 100
+    write_wav(tmp_path / "n.wav", np.clip(noisy, -32768, 32767).astype(np.int16))
+    out = subprocess.run(
+        [sys.executable, "-m", "orpheus_tts_plugin.cli", "compare", str(said / "a.wav"), str(tmp_path / "n.wav")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and "DIFFERENT" in out.stdout
+
+
+def test_bench_decoder_reports_both_schemes(tmp_path: Path, test_model_dir: Path) -> None:
+    out = orpheus_tts(
+        "bench",
+        "decoder",
+        "--snac",
+        str(test_model_dir / "snac"),
+        "--streams",
+        "2",
+        "--seconds",
+        "0.6",
+        "--json",
+        str(tmp_path / "d.json"),
+    )
+    result = json.loads((tmp_path / "d.json").read_text())
+    assert "cpu_ratio_reference_over_project" in out
+    assert result["project_cpu_s_per_audio_s"] > 0 and result["reference_cpu_s_per_audio_s"] > 0
+    assert result["max_abs_diff_vs_offline_int16"] <= 33
+
+
+def test_bench_overhead_reports_cpu_per_token(tmp_path: Path) -> None:
+    orpheus_tts(
+        "bench", "overhead", "--streams", "16", "--frames", "8", "--loops", "2", "--json", str(tmp_path / "o.json")
+    )
+    result = json.loads((tmp_path / "o.json").read_text())
+    assert result["tokens"] == 16 * 8 * 7
+    assert result["samples_delivered"] == 16 * 8 * 2048
+    assert result["host_cpu_us_per_token"] > 0

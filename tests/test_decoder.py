@@ -1,0 +1,143 @@
+"""The streaming SNAC decoder against SNAC's own whole-utterance decode, on the real 24 kHz architecture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orpheus_tts_plugin.decoder import (
+    FADE_SAMPLES,
+    SNAC24_LATENCY,
+    NullDecoder,
+    StreamingDecoder,
+    load_snac,
+    offline_decode,
+    reference_decode,
+)
+from orpheus_tts_plugin.spec import SAMPLES_PER_FRAME
+
+
+@pytest.fixture(scope="module")
+def snac(full_snac_dir: Path):
+    return load_snac(str(full_snac_dir))
+
+
+def _frames(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 4096, size=(n, 7))
+
+
+def _stream(decoder: StreamingDecoder, frames: np.ndarray) -> list[np.ndarray]:
+    """Feed one frame per tick, decode whenever the state is ready, then flush: the chunks."""
+    state, chunks = decoder.new_state(), []
+    for frame in frames:
+        state.pending.append(frame[None])
+        if state.ready(decoder.first_chunk_frames):
+            chunks.extend(decoder.decode([state]))
+    state.final = True
+    chunks.extend(decoder.decode([state]))
+    return chunks
+
+
+@pytest.mark.parametrize("n_frames", [1, 3, 4, 9])
+def test_streamed_audio_equals_the_offline_decode(snac, n_frames: int) -> None:
+    frames = _frames(n_frames, n_frames)
+    streamed = np.concatenate(_stream(StreamingDecoder(snac), frames))
+    offline = offline_decode(snac, frames)
+    assert streamed.size == offline.size == n_frames * SAMPLES_PER_FRAME
+    assert np.abs(streamed.astype(int) - offline.astype(int)).max() <= 33
+    assert np.abs(offline).max() > 1000  # real audio, not silence
+
+
+def test_noise_is_a_function_of_position(snac) -> None:
+    frames = _frames(5, 1)
+    assert np.array_equal(offline_decode(snac, frames), offline_decode(snac, frames))
+
+
+def test_first_chunk_after_four_frames_holds_every_sample_the_receptive_field_allows(snac) -> None:
+    decoder = StreamingDecoder(snac)
+    assert decoder.latency_samples == SNAC24_LATENCY == NullDecoder().latency_samples
+    chunks = _stream(decoder, _frames(8, 2))
+    first = 4 * SAMPLES_PER_FRAME - decoder.latency_samples
+    assert first >= 3400
+    sizes = [c.size for c in chunks]
+    assert sizes[0] == first
+    assert sizes[1:-1] == [SAMPLES_PER_FRAME] * 4  # one chunk per later frame
+    assert sum(sizes) == 8 * SAMPLES_PER_FRAME
+
+
+def test_no_audio_before_four_frames(snac) -> None:
+    decoder = StreamingDecoder(snac)
+    state = decoder.new_state()
+    state.pending.append(_frames(3, 3))
+    assert not state.ready(decoder.first_chunk_frames)
+    state.pending.append(_frames(1, 4))
+    assert state.ready(decoder.first_chunk_frames)
+
+
+def test_every_frame_is_decoded_once(snac) -> None:
+    decoder = StreamingDecoder(snac)
+    _stream(decoder, _frames(12, 5))
+    assert decoder.stats()["decoded_frames"] == 12 + decoder.flush_frames  # not 4 windows a frame
+
+
+def test_streams_at_the_same_point_share_one_call(snac) -> None:
+    decoder = StreamingDecoder(snac)
+    states = [decoder.new_state() for _ in range(6)]
+    alone = StreamingDecoder(snac)
+    solo = alone.new_state()
+    frames = _frames(6, 6)
+    for k in range(6):
+        for st in states:
+            st.pending.append(frames[k : k + 1])
+        solo.pending.append(frames[k : k + 1])
+        if states[0].ready(4):
+            calls = decoder.calls
+            batch = decoder.decode(states)
+            assert decoder.calls == calls + 1  # one call for all six rows
+            ref = alone.decode([solo])[0]
+            for audio in batch:
+                assert np.abs(audio.astype(int) - ref.astype(int)).max() <= 1
+
+
+def test_edges_fade_in_and_out_without_a_click(snac) -> None:
+    audio = np.concatenate(_stream(StreamingDecoder(snac), _frames(6, 7))).astype(int)
+    ramp = np.arange(FADE_SAMPLES) / FADE_SAMPLES * 32767 + 1
+    assert audio[0] == 0 and audio[-1] == 0
+    assert (np.abs(audio[:FADE_SAMPLES]) <= ramp).all()
+    assert (np.abs(audio[::-1][:FADE_SAMPLES]) <= ramp).all()
+
+
+def test_reference_scheme_keeps_one_frame_of_a_four_frame_window(snac) -> None:
+    windows = np.stack([_frames(4, 8), _frames(4, 9)])
+    out = reference_decode(snac, windows)
+    assert out.shape == (2, SAMPLES_PER_FRAME)
+
+
+def test_null_decoder_follows_the_same_schedule() -> None:
+    decoder = NullDecoder()
+    sizes = [c.size for c in _stream(decoder, _frames(7, 10))]
+    assert sizes[0] == 4 * SAMPLES_PER_FRAME - SNAC24_LATENCY
+    assert sum(sizes) == 7 * SAMPLES_PER_FRAME
+
+
+def test_snac_with_attention_is_refused(tmp_path: Path) -> None:
+    import json
+
+    import torch
+    from snac import SNAC
+
+    config = {
+        "sampling_rate": 24000,
+        "encoder_rates": [2, 4, 8, 8],
+        "decoder_rates": [8, 8, 4, 2],
+        "encoder_dim": 8,
+        "decoder_dim": 64,
+        "vq_strides": [4, 2, 1],
+        "attn_window_size": 32,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save(SNAC(**config).state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="attention"):
+        load_snac(str(tmp_path))

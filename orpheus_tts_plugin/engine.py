@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import itertools
+import contextlib
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -86,13 +86,12 @@ class EngineOverloadedError(EngineError):
 class _Stream:
     """Caller-side handle of one synthesize() stream; lives on the caller's event loop."""
 
-    __slots__ = ("closed", "error", "id", "loop", "released", "samples", "task", "_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "closed", "error", "id", "loop", "samples", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.id = uuid.uuid4().hex
         self.loop = loop
         self.closed = False  # set by the caller when it leaves early; read by every thread
-        self.released = False  # the engine no longer counts it as active (guarded by the engine lock)
         self.error: BaseException | None = None
         self.samples = 0  # written by the decoder thread only
         self.task: asyncio.Task[None] | None = None  # the engine-loop task generating its tokens
@@ -229,6 +228,12 @@ def _deliver(items: list[tuple[_Stream, AudioChunk | BaseException]]) -> None:
         stream.put(item)
 
 
+def _post(stream: _Stream, item: AudioChunk | BaseException) -> None:
+    """Hand one item to a stream's own loop (dropped if that loop is gone)."""
+    with contextlib.suppress(RuntimeError):
+        stream.loop.call_soon_threadsafe(_deliver, [(stream, item)])
+
+
 class OrpheusEngine:
     """Text in, 24 kHz PCM out, for every caller in the process (see `synthesize`)."""
 
@@ -246,9 +251,8 @@ class OrpheusEngine:
         self._backend: TokenBackend | None = None
         self._worker: _DecodeWorker | None = None
         self._tokenizer: Any = None
-        self._active = 0
+        self._open: set[_Stream] = set()
         self._counters: collections.Counter[str] = collections.Counter()
-        self._ids = itertools.count()
         self._closed = False
         self._kick_pending = False
 
@@ -338,6 +342,11 @@ class OrpheusEngine:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._backend.close()
         await asyncio.to_thread(self._worker.close)
+        with self._lock:
+            orphans = list(self._open)
+        for stream in orphans:  # their callers are still waiting: tell them
+            _post(stream, EngineError("engine closed"))
+            self._release(stream)
 
     # ---------------------------------------------------------------- synthesis
     def synthesize(
@@ -384,7 +393,7 @@ class OrpheusEngine:
         await self.start()
         stream = _Stream(asyncio.get_running_loop())
         requests = [self._request(stream, i, piece, voice, sampling) for i, piece in enumerate(pieces)]
-        self._admit()
+        self._admit(stream)
         self._loop.call_soon_threadsafe(self._begin, stream, requests, token_log)
         complete = False
         try:
@@ -396,7 +405,8 @@ class OrpheusEngine:
             if not complete:
                 stream.closed = True
                 self._count("streams_cancelled" if stream.error is None else "streams_failed")
-                self._loop.call_soon_threadsafe(self._cancel, stream)
+                with contextlib.suppress(RuntimeError):  # RuntimeError: the engine loop is already closed
+                    self._loop.call_soon_threadsafe(self._cancel, stream)
 
     def _request(
         self, stream: _Stream, i: int, text: str, voice: str | None, sampling: SamplingParams
@@ -413,14 +423,14 @@ class OrpheusEngine:
         )
         return req, kind
 
-    def _admit(self) -> None:
+    def _admit(self, stream: _Stream) -> None:
         with self._lock:
             if self._closed:
                 raise EngineError("engine is closed")
-            if self._active >= self.config.max_streams:
+            if len(self._open) >= self.config.max_streams:
                 self._counters["streams_rejected"] += 1
                 raise EngineOverloadedError(f"engine at capacity ({self.config.max_streams} streams)")
-            self._active += 1
+            self._open.add(stream)
             self._counters["streams_started"] += 1
 
     # ---------------------------------------------------------------- engine loop
@@ -466,10 +476,7 @@ class OrpheusEngine:
             worker.drop(stream)
             err = exc if isinstance(exc, EngineError) else EngineError(str(exc))
             err.__cause__ = exc
-            try:
-                stream.loop.call_soon_threadsafe(_deliver, [(stream, err)])
-            except RuntimeError:
-                pass
+            _post(stream, err)
             self._release(stream)
 
     def _kick_soon(self) -> None:
@@ -496,9 +503,7 @@ class OrpheusEngine:
     def _release(self, stream: _Stream) -> None:
         """Stop counting `stream` as active (once, whichever way it ended)."""
         with self._lock:
-            if not stream.released:
-                stream.released = True
-                self._active -= 1
+            self._open.discard(stream)
 
     # ---------------------------------------------------------------- metrics
     def _count(self, key: str, n: int = 1) -> None:
@@ -518,7 +523,7 @@ class OrpheusEngine:
     def stats(self) -> dict[str, Any]:
         """Counters of the whole engine: active_streams, tokens, frames, finish reasons, bad ids, decoder calls."""
         with self._lock:
-            out: dict[str, Any] = {"active_streams": self._active, **self._counters}
+            out: dict[str, Any] = {"active_streams": len(self._open), **self._counters}
         if self._worker is not None:
             out.update(self._worker.decoder.stats())
             out["decoder_ticks"] = self._worker.ticks
@@ -529,4 +534,4 @@ class OrpheusEngine:
     @property
     def load(self) -> float:
         """Fraction of `max_streams` in use (what a LiveKit worker reports as its load)."""
-        return self._active / self.config.max_streams
+        return len(self._open) / self.config.max_streams

@@ -256,3 +256,18 @@ async def test_hf_engine_cancel_aborts_within_one_step(hf_engine: OrpheusEngine)
     await _until(lambda: hf_engine.stats()["active_streams"] == 0)
     await _until(lambda: hf_engine.stats()["backend"]["live_requests"] == 0)
     assert hf_engine.stats()["backend"]["max_steps_to_abort"] <= 1
+
+
+async def test_closing_the_engine_ends_open_streams_with_an_error(synthetic_config: EngineConfig) -> None:
+    from orpheus_tts_plugin import EngineError
+
+    engine = OrpheusEngine(replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=100)))
+    stream = engine.synthesize(TEXT * 3)
+    await anext(stream)
+    await engine.aclose()
+    with pytest.raises(EngineError, match="closed"):
+        async for _chunk in stream:
+            pass
+    assert engine.stats()["active_streams"] == 0
+    with pytest.raises(EngineError):
+        await anext(engine.synthesize("After close."))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 from typing import Any
 
@@ -25,8 +24,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..spec import ENGLISH, ModelSpec
 from .base import BackendError, FinishReason, GenerationRequest
-
-log = logging.getLogger(__name__)
 
 # How each server family wants a completion request: prompt as ids or text, and which non-OpenAI fields it takes
 # (trtllm-serve and transformers serve reject unknown fields, so each dialect sends only what its server knows).
@@ -144,7 +141,7 @@ class RemoteBackend:
                                           sock_read=self.read_timeout_s),
             headers=headers,
         )
-        if isinstance(self.tokenizer, str):
+        if self.dialect == "transformers" and isinstance(self.tokenizer, str):
             from transformers import AutoTokenizer
 
             self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.tokenizer)

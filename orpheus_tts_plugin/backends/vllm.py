@@ -224,7 +224,7 @@ class VllmStream:
             self._push([], FinishReason.ERROR)  # ended without a finished output
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # reported to the consumer
+        except Exception as exc:  # noqa: BLE001 - reported to the consumer
             self._push([], FinishReason.ERROR, BackendError(f"vllm request {self.req.request_id} failed: {exc}"))
 
     def _push(self, ids: list[int], finish: str | None, error: BaseException | None = None) -> None:

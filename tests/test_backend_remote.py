@@ -1,0 +1,310 @@
+"""Remote backend against a real OpenAI-compatible server: `transformers serve` on 127.0.0.1 with the test model.
+
+The server runs in a subprocess on loopback only. Its streamed `<custom_token_N>` text is checked id for id
+against the same generation run locally (same seed, same generation config), cancellation is checked by the
+server's freed capacity, and retries by a refused port and by a late-starting TCP relay to the real server.
+One small test replays vLLM's documented stream format (token ids per chunk) from an in-process aiohttp server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest, SamplingParams
+from orpheus_tts_plugin.backends.remote import CustomTokenText, RemoteBackend
+from orpheus_tts_plugin.prompt import prompt_ids
+from orpheus_tts_plugin.spec import ENGLISH
+
+SPEC = ENGLISH
+BASE = SPEC.custom_token_base
+SERVER_START_S = 120
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(test_model_dir: Path) -> Path:
+    """The tiny Orpheus-shaped checkpoint from the session's shared test model (tests/conftest.py)."""
+    return test_model_dir / "orpheus"
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`transformers serve` with the test model on a free loopback port; its base URL."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve-log") / "serve.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"transformers serve did not come up:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def request(tokenizer, rid: str, max_new: int, *, temperature: float = 1.0, seed: int | None = 1234,
+            stop: tuple[int, ...] = (SPEC.end_of_speech,)) -> GenerationRequest:
+    prompt = prompt_ids(tokenizer, SPEC, "Hello there, how are you today?", "tara")
+    sampling = SamplingParams(temperature=temperature, top_p=0.9, repetition_penalty=1.1, seed=seed)
+    return GenerationRequest(rid, prompt, sampling, max_new, stop, True)
+
+
+async def collect(stream, limit_s: float = 60.0) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        return [ids async for ids in stream]
+
+    return await asyncio.wait_for(run(), limit_s)
+
+
+def served_ids(token_ids: list[int], stop: set[int]) -> list[int]:
+    """What a text-streaming server's output means to us: custom tokens kept, specials skipped, text → pad."""
+    out = []
+    for t in token_ids:
+        if t in stop:
+            break
+        if SPEC.bos <= t < BASE:  # Llama 3 special tokens: skipped by the server's detokeniser
+            continue
+        out.append(t if t >= BASE else SPEC.pad)
+    return out
+
+
+# ---- against the real server ----
+
+async def test_streamed_ids_equal_the_same_generation_run_locally(server, model_dir, tokenizer) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    backend = RemoteBackend(server, dialect="transformers", tokenizer=str(model_dir))
+    await backend.start()
+    assert backend.model == str(model_dir)  # discovered through GET /v1/models
+    req = request(tokenizer, "exact", 24)
+    stream = backend.generate(req)
+    got = [i for ids in await collect(stream) for i in ids]
+    await stream.aclose()
+
+    body = json.loads(backend.request_body(req))
+    config = GenerationConfig(**json.loads(body["generation_config"]))
+    config.max_new_tokens, config.temperature, config.top_p = 24, body["temperature"], body["top_p"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    inputs = tokenizer(body["prompt"], return_tensors="pt")
+    torch.manual_seed(1234)
+    out = model.generate(**inputs, generation_config=config)[0, inputs.input_ids.shape[1]:].tolist()
+
+    assert got == served_ids(out, {SPEC.end_of_speech}) and got
+    assert any(SPEC.first_audio_token <= i < SPEC.audio_token_end for i in got)  # the id mapping was exercised
+    assert stream.finish_reason == (FinishReason.STOP if SPEC.end_of_speech in out else FinishReason.LENGTH)
+    stats = backend.stats()
+    assert stats["live_requests"] == 0 and stats["tokens"] == len(got) and stats["errors"] == 0
+    await backend.close()
+
+
+async def test_stop_id_ends_the_stream_and_is_not_delivered(server, tokenizer) -> None:
+    backend = RemoteBackend(server, dialect="transformers", tokenizer=tokenizer)
+    await backend.start()
+    greedy = [i for ids in await collect(backend.generate(request(tokenizer, "g", 8, temperature=0.0)))
+              for i in ids]
+    stop_id = next(i for i in greedy if i >= BASE)  # an id the model emits greedily, used as an extra stop id
+    stream = backend.generate(request(tokenizer, "s", 8, temperature=0.0, stop=(SPEC.end_of_speech, stop_id)))
+    got = [i for ids in await collect(stream) for i in ids]
+    assert got == greedy[:greedy.index(stop_id)]
+    assert stream.finish_reason == FinishReason.STOP
+    await backend.close()
+
+
+async def test_closing_the_stream_aborts_the_server_request(server, tokenizer) -> None:
+    backend = RemoteBackend(server, dialect="transformers", tokenizer=tokenizer)
+    await backend.start()
+    long = backend.generate(request(tokenizer, "long", 4000, temperature=0.0))
+    t0 = time.monotonic()
+    chunks = [await asyncio.wait_for(long.__anext__(), 30) for _ in range(4)]
+    per_token = (time.monotonic() - t0) / 4
+    await long.aclose()
+    assert long.finish_reason == FinishReason.ABORTED and len(chunks) == 4
+    with pytest.raises(StopAsyncIteration):
+        await long.__anext__()
+    # transformers serve generates one request at a time: a short request finishes promptly only if the
+    # 4000-token one was aborted when its connection closed.
+    t1 = time.monotonic()
+    short = backend.generate(request(tokenizer, "short", 3, temperature=0.0))
+    assert sum(len(ids) for ids in await collect(short, 60)) == 3
+    elapsed = time.monotonic() - t1
+    assert elapsed < min(30.0, 3996 * per_token / 4), (elapsed, per_token)
+    stats = backend.stats()
+    assert stats["aborted"] == 1 and stats["live_requests"] == 0
+    await backend.close()
+
+
+async def test_http_error_is_a_backend_error_without_retries(server, tokenizer) -> None:
+    backend = RemoteBackend(server, dialect="transformers", tokenizer=tokenizer, extra_body={"not_a_field": 1})
+    await backend.start()
+    stream = backend.generate(request(tokenizer, "bad", 4))
+    with pytest.raises(BackendError, match="HTTP 422"):
+        await asyncio.wait_for(stream.__anext__(), 30)
+    assert stream.finish_reason == FinishReason.ERROR
+    assert backend.stats()["retries"] == 0 and backend.stats()["errors"] == 1
+    await backend.close()
+
+
+async def test_retries_reach_a_server_that_comes_up_late(server, model_dir, tokenizer) -> None:
+    """Connection refused at first; a TCP relay to the real server starts listening 0.3 s later."""
+    port = free_port()
+    target_port = int(server.rsplit(":", 1)[1])
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", target_port)
+        await asyncio.gather(pipe(client_r, server_w), pipe(server_r, client_w))
+
+    async def start_late() -> asyncio.Server:
+        await asyncio.sleep(0.3)
+        return await asyncio.start_server(relay, "127.0.0.1", port)
+
+    backend = RemoteBackend(f"http://127.0.0.1:{port}/v1", model=str(model_dir), dialect="transformers",
+                            tokenizer=tokenizer, connect_retries=8, retry_backoff_s=0.05)
+    await backend.start()
+    starter = asyncio.create_task(start_late())
+    stream = backend.generate(request(tokenizer, "late", 3))
+    got = await collect(stream, 60)
+    relay_server = await starter
+    assert sum(len(ids) for ids in got) == 3 and stream.finish_reason == FinishReason.LENGTH
+    assert backend.stats()["retries"] >= 1
+    await backend.close()
+    relay_server.close()
+
+
+# ---- without the server ----
+
+async def test_refused_connection_is_retried_then_fails() -> None:
+    port = free_port()  # nothing listens here
+    backend = RemoteBackend(f"http://127.0.0.1:{port}", model="m", dialect="openai", connect_retries=2,
+                            retry_backoff_s=0.01)
+    await backend.start()
+    stream = backend.generate(GenerationRequest("x", (1, 2, 3), SamplingParams(), 5, (SPEC.end_of_speech,)))
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match="after 3 attempt"):
+        await asyncio.wait_for(stream.__anext__(), 10)
+    assert time.monotonic() - t0 < 5
+    assert stream.finish_reason == FinishReason.ERROR
+    assert backend.stats() | {"url": None} == {"backend": "remote", "url": None, "live_requests": 0, "requests": 1,
+                                              "tokens": 0, "retries": 2, "aborted": 0, "errors": 1}
+    await backend.close()
+
+
+async def test_vllm_style_token_id_stream_from_a_local_replay_server() -> None:
+    """vLLM's documented SSE shape (token_ids per choice, then [DONE]); the body we send is recorded."""
+    from aiohttp import web
+
+    bodies: list[dict] = []
+    audio = [SPEC.audio_token(k, 9) for k in range(7)]
+
+    async def completions(http_request: web.Request) -> web.StreamResponse:
+        bodies.append(await http_request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(http_request)
+        chunks = [(audio[:3], None), ([], None), (audio[3:], None), ([SPEC.end_of_speech], "stop")]
+        for ids, finish in chunks:
+            choice = {"index": 0, "text": "", "token_ids": ids, "finish_reason": finish}
+            await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+        await resp.write(b'data: {"choices": [], "usage": {"completion_tokens": 8}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        backend = RemoteBackend(f"http://127.0.0.1:{port}", model="orpheus", dialect="vllm", constrain_audio=True)
+        await backend.start()
+        req = GenerationRequest("v", (7, 8, 9), SamplingParams(seed=5), 100, (SPEC.end_of_speech,))
+        stream = backend.generate(req)
+        assert await collect(stream, 10) == [audio[:3], audio[3:]]
+        assert stream.finish_reason == FinishReason.STOP
+        await stream.aclose()
+        body = bodies[0]
+        assert body["prompt"] == [7, 8, 9] and body["return_token_ids"] is True and body["stream"] is True
+        assert body["stop_token_ids"] == [SPEC.end_of_speech] and body["max_tokens"] == 100 and body["seed"] == 5
+        assert body["allowed_token_ids"] == [*range(SPEC.first_audio_token, SPEC.audio_token_end), SPEC.end_of_speech]
+        await backend.close()
+    finally:
+        await runner.cleanup()
+
+
+def test_request_bodies_per_dialect() -> None:
+    req = GenerationRequest("d", (5, 6), SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1), 42,
+                            (SPEC.end_of_speech,))
+    trt = json.loads(RemoteBackend("http://h:1/v1/", model="m", dialect="trtllm").request_body(req))
+    assert trt == {"model": "m", "prompt": [5, 6], "max_tokens": 42, "stream": True, "temperature": 0.6,
+                   "top_p": 0.8, "repetition_penalty": 1.1, "stop_token_ids": [128258],
+                   "skip_special_tokens": False, "detokenize": False}
+    plain = json.loads(RemoteBackend("http://h:1", model="m", dialect="openai").request_body(req))
+    assert plain == {"model": "m", "prompt": [5, 6], "max_tokens": 42, "stream": True, "temperature": 0.6,
+                     "top_p": 0.8}
+    vllm = json.loads(RemoteBackend("http://h:1", model="m").request_body(req))
+    assert "allowed_token_ids" not in vllm and vllm["return_token_ids"] is True  # constrain is opt-in remotely
+    assert RemoteBackend("http://h:1/v1/").endpoint == "http://h:1/v1/completions"
+    with pytest.raises(ValueError, match="tokenizer"):
+        RemoteBackend("http://h:1", dialect="transformers")
+    with pytest.raises(ValueError, match="dialect"):
+        RemoteBackend("http://h:1", dialect="sglang-ish")
+
+
+def test_custom_token_text_parser() -> None:
+    p = CustomTokenText(BASE, SPEC.pad)
+    assert p.feed("<custom_tok") == []  # a token split across chunks waits
+    assert p.feed("en_5><custom_token_7>") == [BASE + 5, BASE + 7]
+    assert p.feed("<custom_token_1> hi<custom_token_2>") == [BASE + 1, SPEC.pad, BASE + 2]
+    assert p.feed("  \n") == []  # whitespace between tokens is not an id
+    assert p.feed("<notatoken>") == [SPEC.pad]
+    assert p.feed("<custom_token_12") == [] and p.flush() == [SPEC.pad]  # never completed
+    assert p.feed("<custom_token_x>") == [SPEC.pad]

@@ -160,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=_cmd_make_test_model)
 
+    from . import quantize as _quantize
+
+    q = sub.add_parser("quantize", help="FP8-quantise an Orpheus checkpoint with NVIDIA ModelOpt (for trtllm/vllm)")
+    _quantize.add_arguments(q)
+    q.set_defaults(func=_quantize.quantize_main)
+
     bench = sub.add_parser("bench", help="report decoder and engine figures")
     bench.add_argument("what", choices=("decoder", "overhead"))
     bench.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="decoder: SNAC checkpoint")

@@ -471,6 +471,8 @@ class OrpheusEngine:
                 worker.end(utt)
         except asyncio.CancelledError:
             worker.drop(stream)
+            if not stream.closed:  # not the caller's cancel: the engine is shutting down
+                _post(stream, EngineError("engine closed"))
             self._release(stream)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             worker.drop(stream)

@@ -45,6 +45,30 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
             spec=spec,
             **options,
         )
+    if name == "trtllm":
+        from .trtllm import TrtllmBackend
+
+        return TrtllmBackend(
+            config.model, spec=spec, max_batch_size=config.max_streams, max_seq_len=config.max_seq_len, **options
+        )
+    if name == "vllm":
+        from .vllm import VllmBackend
+
+        return VllmBackend(
+            config.model,
+            spec=spec,
+            tokenizer=config.tokenizer,
+            max_batch_size=config.max_streams,
+            max_seq_len=config.max_seq_len,
+            **options,
+        )
+    if name == "remote":
+        from .remote import RemoteBackend
+
+        if config.tokenizer is None:
+            raise ValueError("backend 'remote': EngineConfig.model is the server URL; set EngineConfig.tokenizer")
+        options.setdefault("tokenizer", config.tokenizer)
+        return RemoteBackend(config.model, spec=spec, **options)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 

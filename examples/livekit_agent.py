@@ -1,0 +1,66 @@
+"""A LiveKit voice agent that speaks with Orpheus; every call this worker serves shares one engine (one GPU).
+
+The worker runs each job in a thread of its own process (thread job executor), so all jobs reach the
+same `OrpheusEngine`, and it reports the engine's load to the LiveKit server, which sends new calls
+to less busy workers. STT and LLM go through LiveKit Inference; VAD runs locally.
+
+    pip install "orpheus-tts-plugin[livekit]"
+    python examples/livekit_agent.py download-files     # Orpheus + SNAC weights into the HF cache
+    export LIVEKIT_URL=wss://... LIVEKIT_API_KEY=... LIVEKIT_API_SECRET=...
+    python examples/livekit_agent.py start              # or: python examples/livekit_agent.py dev
+
+Settings (environment): ORPHEUS_MODEL (hub id or local dir), ORPHEUS_BACKEND (hf | trtllm | vllm |
+remote), ORPHEUS_VOICE, ORPHEUS_MAX_CALLS (calls one worker may hold), ORPHEUS_LOAD_THRESHOLD.
+"""
+
+from __future__ import annotations
+
+import os
+
+from livekit.agents import Agent, AgentServer, AgentSession, JobContext, JobProcess, cli, inference
+
+from orpheus_tts_plugin import EngineConfig
+from orpheus_tts_plugin import livekit as orpheus
+
+ENGINE = EngineConfig(
+    model=os.environ.get("ORPHEUS_MODEL", EngineConfig.model),
+    backend=os.environ.get("ORPHEUS_BACKEND", EngineConfig.backend),
+)
+VOICE = os.environ.get("ORPHEUS_VOICE", "tara")
+INSTRUCTIONS = (
+    "You are a friendly voice assistant. Answer in short, plain spoken sentences without markdown or emojis. "
+    "You may use the tags <laugh>, <chuckle> or <sigh> where a person would."
+)
+
+
+def prewarm(proc: JobProcess) -> None:
+    """Runs in every job thread before its job: start loading the shared engine (once) and load a VAD."""
+    orpheus.prewarm_engine(ENGINE)  # returns at once; the first call waits if the model is still loading
+    proc.userdata["vad"] = inference.VAD()
+
+
+server = AgentServer(
+    **orpheus.server_options(
+        ENGINE,
+        max_jobs=int(os.environ.get("ORPHEUS_MAX_CALLS", "64")),
+        load_threshold=float(os.environ.get("ORPHEUS_LOAD_THRESHOLD", "0.8")),
+    ),
+    setup_fnc=prewarm,
+)
+
+
+@server.rtc_session()
+async def entrypoint(ctx: JobContext) -> None:
+    """One call: STT → LLM → Orpheus, in this job's own event loop, on the worker's one engine."""
+    session = AgentSession(
+        stt=inference.STT("deepgram/nova-3"),
+        llm=inference.LLM("openai/gpt-4.1-mini"),
+        vad=ctx.proc.userdata["vad"],
+        tts=orpheus.TTS(config=ENGINE, voice=VOICE),
+    )
+    await session.start(agent=Agent(instructions=INSTRUCTIONS), room=ctx.room)
+    session.generate_reply(instructions="Greet the user and offer your help.")
+
+
+if __name__ == "__main__":
+    cli.run_app(server)

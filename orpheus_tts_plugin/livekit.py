@@ -1,0 +1,367 @@
+"""LiveKit Agents adapter: an Orpheus `tts.TTS` on one process-wide engine shared by every job of a worker.
+
+Every job of a worker that runs with the thread job executor (`JobExecutorType.THREAD`) lives in the
+worker process, each on its own event loop in its own thread; `OrpheusEngine` serves all of them at
+once, so one GPU engine speaks for every call. `server_options()` gives the `AgentServer` keyword
+arguments for that set-up (thread executor, a `load_fnc` reporting the engine's load, a threshold).
+
+Importing this module registers `OrpheusPlugin` (whose `download_files()` fetches the weights) and
+does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from livekit.agents import (
+    DEFAULT_API_CONNECT_OPTIONS,
+    AgentServer,
+    APIConnectionError,
+    APIConnectOptions,
+    APIError,
+    APIStatusError,
+    JobExecutorType,
+    Plugin,
+    tokenize,
+    tts,
+    utils,
+)
+from livekit.agents.types import NOT_GIVEN, NotGivenOr
+
+from orpheus_tts_plugin.engine import EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
+from orpheus_tts_plugin.spec import SAMPLE_RATE
+
+__all__ = [
+    "TTS",
+    "ChunkedStream",
+    "OrpheusPlugin",
+    "SynthesizeStream",
+    "download_files",
+    "engine_load_fnc",
+    "prewarm_engine",
+    "server_options",
+]
+
+logger = logging.getLogger(__name__)
+
+NUM_CHANNELS = 1
+# Files that transformers and SNAC load from a hub repo (weights, configs, tokenizer).
+_HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.tiktoken"]
+
+_used_configs: dict[EngineConfig, None] = {}  # configs this process builds engines from, for download_files()
+_used_lock = threading.Lock()
+
+
+def _engine_for(engine: OrpheusEngine | EngineConfig | None) -> OrpheusEngine:
+    """The given engine, or the process-wide engine of a config (default config if None)."""
+    if isinstance(engine, OrpheusEngine):
+        config, result = engine.config, engine
+    else:
+        config = engine or EngineConfig()
+        result = OrpheusEngine.shared(config)
+    with _used_lock:
+        _used_configs[config] = None
+    return result
+
+
+@dataclass(frozen=True)
+class _Options:
+    """Per-request synthesis options; None leaves the engine's default."""
+
+    voice: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+
+    def checked(self, engine: OrpheusEngine) -> _Options:
+        """Raise ValueError now (not mid-call) for a voice or sampling value the engine would refuse."""
+        engine.spec.check_voice(self.voice)
+        sampling = {f.name: v for f in fields(self) if f.name != "voice" and (v := getattr(self, f.name)) is not None}
+        replace(engine.config.sampling, **sampling).validate()
+        return self
+
+
+class TTS(tts.TTS):
+    """Orpheus text-to-speech for LiveKit Agents: 24 kHz mono PCM, streamed as the engine decodes it."""
+
+    def __init__(
+        self,
+        *,
+        engine: OrpheusEngine | None = None,
+        config: EngineConfig | None = None,
+        voice: str | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
+    ) -> None:
+        """Speak through `engine`, or through the process-wide engine of `config` (the default config if neither).
+
+        Sampling values left as None use the engine's defaults. `sentence_tokenizer` decides where
+        `stream()` cuts pushed text into requests (default: LiveKit's blingfire sentence splitter).
+        """
+        if engine is not None and config is not None:
+            raise ValueError("pass either engine or config, not both")
+        super().__init__(
+            capabilities=tts.TTSCapabilities(streaming=True),
+            sample_rate=SAMPLE_RATE,
+            num_channels=NUM_CHANNELS,
+        )
+        self._engine = _engine_for(engine or config)
+        self._opts = _Options(voice, temperature, top_p, repetition_penalty, max_tokens, seed).checked(self._engine)
+        self._sentence_tokenizer = (
+            sentence_tokenizer if utils.is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
+        )
+        self._streams: weakref.WeakSet[SynthesizeStream] = weakref.WeakSet()
+
+    @property
+    def engine(self) -> OrpheusEngine:
+        return self._engine
+
+    @property
+    def voice(self) -> str | None:
+        return self._engine.spec.check_voice(self._opts.voice)
+
+    @property
+    def model(self) -> str:
+        return self._engine.config.model or self._engine.config.backend
+
+    @property
+    def provider(self) -> str:
+        return "orpheus"
+
+    def update_options(
+        self,
+        *,
+        voice: NotGivenOr[str | None] = NOT_GIVEN,
+        temperature: NotGivenOr[float | None] = NOT_GIVEN,
+        top_p: NotGivenOr[float | None] = NOT_GIVEN,
+        repetition_penalty: NotGivenOr[float | None] = NOT_GIVEN,
+        max_tokens: NotGivenOr[int | None] = NOT_GIVEN,
+        seed: NotGivenOr[int | None] = NOT_GIVEN,
+    ) -> None:
+        """Change options for streams created from now on (None restores the engine default)."""
+        given = dict(
+            voice=voice,
+            temperature=temperature,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            max_tokens=max_tokens,
+            seed=seed,
+        )
+        changes = {k: v for k, v in given.items() if utils.is_given(v)}
+        self._opts = replace(self._opts, **changes).checked(self._engine)
+
+    def prewarm(self) -> None:
+        """Start loading the engine in the background; never blocks the caller's event loop."""
+        prewarm_engine(self._engine)
+
+    def synthesize(self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS) -> ChunkedStream:
+        return ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
+
+    def stream(self, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS) -> SynthesizeStream:
+        stream = SynthesizeStream(tts=self, conn_options=conn_options)
+        self._streams.add(stream)
+        return stream
+
+    async def aclose(self) -> None:
+        """Close this TTS's open streams; the shared engine keeps serving other jobs."""
+        for stream in list(self._streams):
+            await stream.aclose()
+        self._streams.clear()
+
+
+async def _speak(engine: OrpheusEngine, text: str, opts: _Options, emitter: tts.AudioEmitter) -> None:
+    """Push the engine's audio for `text` into `emitter`; engine failures become LiveKit API errors."""
+    try:
+        chunks = engine.synthesize(text, **asdict(opts))
+        # aclosing: the generation is aborted the moment this task is cancelled, not at garbage collection.
+        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async for chunk in chunks:
+                if chunk.pcm:
+                    emitter.push(chunk.pcm)
+    except EngineOverloadedError as exc:  # full engine: try again later, or on another worker
+        raise APIStatusError(str(exc), status_code=503, retryable=True) from exc
+    except EngineError as exc:  # a failed generation (backend error): worth one more try
+        raise APIConnectionError(str(exc)) from exc
+    except (ValueError, TypeError) as exc:  # bad text, voice or sampling value: retrying cannot help
+        raise APIStatusError(str(exc), status_code=400, retryable=False) from exc
+    except Exception as exc:  # anything else is a bug or a broken set-up, not a transient fault
+        raise APIError(f"Orpheus synthesis failed: {exc!r}", retryable=False) from exc
+
+
+class ChunkedStream(tts.ChunkedStream):
+    """`TTS.synthesize(text)`: the whole text in one engine request (split at sentences by the engine)."""
+
+    def __init__(self, *, tts: TTS, input_text: str, conn_options: APIConnectOptions) -> None:
+        super().__init__(tts=tts, input_text=input_text, conn_options=conn_options)
+        self._engine = tts.engine
+        self._opts = tts._opts
+
+    async def _run(self, output_emitter: tts.AudioEmitter) -> None:
+        output_emitter.initialize(
+            request_id=utils.shortuuid(),
+            sample_rate=SAMPLE_RATE,
+            num_channels=NUM_CHANNELS,
+            mime_type="audio/pcm",
+        )
+        await _speak(self._engine, self._input_text, self._opts, output_emitter)
+        # no flush(): the base class ends the input, so the last audio frame itself carries is_final
+
+
+class SynthesizeStream(tts.SynthesizeStream):
+    """`TTS.stream()`: pushed text is sent to the engine a sentence at a time; one segment per stream."""
+
+    def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
+        super().__init__(tts=tts, conn_options=conn_options)
+        self._engine = tts.engine
+        self._opts = tts._opts
+        self._sentence_tokenizer = tts._sentence_tokenizer
+
+    async def _run(self, output_emitter: tts.AudioEmitter) -> None:
+        output_emitter.initialize(
+            request_id=utils.shortuuid(),
+            sample_rate=SAMPLE_RATE,
+            num_channels=NUM_CHANNELS,
+            mime_type="audio/pcm",
+            stream=True,
+        )
+        sentences = self._sentence_tokenizer.stream()
+        forward = asyncio.create_task(self._forward_input(sentences), name="orpheus.forward_input")
+        try:
+            segment_open = False
+            async for sentence in sentences:
+                if not segment_open:
+                    output_emitter.start_segment(segment_id=utils.shortuuid())
+                    segment_open = True
+                self._mark_started()
+                await _speak(self._engine, sentence.token, self._opts, output_emitter)
+            await forward
+            if segment_open:
+                output_emitter.end_segment()
+        finally:
+            await utils.aio.cancel_and_wait(forward)
+            await sentences.aclose()
+
+    async def _forward_input(self, sentences: tokenize.SentenceStream) -> None:
+        """Feed pushed text to the sentence splitter; the first flush after some text ends the stream's segment."""
+        has_text = False
+        async for data in self._input_ch:
+            if isinstance(data, self._FlushSentinel):
+                if has_text:
+                    break  # LiveKit drops text pushed after a segment's flush: nothing more can come
+                continue
+            sentences.push_text(data)
+            has_text = True
+        sentences.end_input()
+
+
+# ---------------------------------------------------------------------------------------------- worker set-up
+def prewarm_engine(engine: OrpheusEngine | EngineConfig | None = None) -> OrpheusEngine:
+    """Start loading an engine (or a config's process-wide engine) on a daemon thread; returns at once.
+
+    Call it from `setup_fnc`: loading a 3B model outlasts the worker's initialize timeout, and
+    synthesis calls made before loading ends simply wait for it.
+    """
+    engine = _engine_for(engine)
+    if not engine.started:
+        threading.Thread(target=_start_and_log, args=(engine,), name="orpheus-prewarm", daemon=True).start()
+    return engine
+
+
+def _start_and_log(engine: OrpheusEngine) -> None:
+    try:
+        asyncio.run(engine.start())
+    except Exception:  # every later synthesis re-raises it; log it now too
+        logger.exception("Orpheus engine failed to start")
+
+
+def engine_load_fnc(
+    engine: OrpheusEngine | EngineConfig | None = None, *, max_jobs: int | None = None
+) -> Callable[[AgentServer], float]:
+    """A worker `load_fnc`: the engine's stream load (fraction of `max_streams` in use), in [0, 1].
+
+    A call holds an engine stream only while it speaks, so give `max_jobs` (calls one worker can
+    serve) to report `active jobs / max_jobs` when that is higher. Meaningful with the thread job
+    executor only: with process executors each job has its own engine and this one stays idle.
+    """
+    engine = _engine_for(engine)
+    if max_jobs is not None and max_jobs < 1:
+        raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
+
+    def load(server: AgentServer) -> float:
+        jobs = len(server.active_jobs) / max_jobs if max_jobs else 0.0
+        return min(1.0, max(engine.load, jobs))
+
+    return load
+
+
+def server_options(
+    engine: OrpheusEngine | EngineConfig | None = None,
+    *,
+    load_threshold: float = 0.8,
+    max_jobs: int | None = None,
+) -> dict[str, Any]:
+    """`AgentServer(**server_options(config), ...)` keyword arguments for one engine shared by all jobs."""
+    return {
+        "job_executor_type": JobExecutorType.THREAD,
+        "load_fnc": engine_load_fnc(engine, max_jobs=max_jobs),
+        "load_threshold": load_threshold,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def _hub_repos(config: EngineConfig) -> list[str]:
+    """Hub repos that an engine of `config` loads: LLM weights, tokenizer, SNAC (local dirs and URLs left out)."""
+    repos = []
+    if config.backend not in ("synthetic", "remote"):
+        repos.append(config.model)
+    if config.backend != "synthetic" or config.tokenizer:
+        repos.append(config.tokenizer or config.model)
+    if config.decoder == "snac":
+        repos.append(config.snac)
+    return [r for r in dict.fromkeys(repos) if r and not os.path.isdir(r) and not r.startswith(("http://", "https://"))]
+
+
+def download_files(*configs: EngineConfig) -> None:
+    """Fetch the Orpheus and SNAC weights of `configs` (default: the default config) into the Hugging Face cache."""
+    from huggingface_hub import snapshot_download
+
+    for config in configs or (EngineConfig(),):
+        for repo in _hub_repos(config):
+            logger.info("downloading %s", repo)
+            snapshot_download(repo, allow_patterns=_HUB_FILES)
+
+
+class OrpheusPlugin(Plugin):
+    """The LiveKit plugin entry: `download-files` fetches the weights of every engine config this process uses."""
+
+    def __init__(self) -> None:
+        try:
+            version = importlib.metadata.version("orpheus-tts-plugin")
+        except importlib.metadata.PackageNotFoundError:
+            version = "0.0.0"
+        super().__init__(__name__, version, "orpheus_tts_plugin", logger)
+
+    def download_files(self) -> None:
+        with _used_lock:
+            configs = list(_used_configs)
+        download_files(*configs)
+
+
+# LiveKit only accepts registrations from the main thread; an import from a job thread skips it.
+if threading.current_thread() is threading.main_thread():
+    Plugin.register_plugin(OrpheusPlugin())

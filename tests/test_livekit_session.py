@@ -1,0 +1,245 @@
+"""An AgentSession (real livekit-agents voice pipeline) speaking through the Orpheus TTS, then interrupted.
+
+STT, LLM, VAD and audio I/O are scripted fakes in the manner of livekit-agents' own session tests: the
+user speaks at set times, the LLM answers a set text, the audio sink plays in (virtual) real time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+from livekit import rtc
+from livekit.agents import Agent, AgentSession, AgentStateChangedEvent, LanguageCode, llm, stt, vad
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, APIConnectOptions, NotGivenOr
+from livekit.agents.voice.io import AudioInput, AudioOutput, AudioOutputCapabilities, PlaybackFinishedEvent
+
+from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
+from orpheus_tts_plugin import livekit as orpheus
+
+STORY = " ".join(f"This is sentence number {i} of a story that goes on for quite a while." for i in range(12))
+
+
+@dataclass(frozen=True)
+class UserTurn:
+    """The user speaks from `start` to `end` (seconds after the session's first audio frame)."""
+
+    start: float
+    end: float
+    transcript: str
+
+
+class _Clock:
+    """Seconds since the first input frame reached a fake stream."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    async def until(self, t: float) -> None:
+        await asyncio.sleep(max(0.0, t - self.now()))
+
+
+class ScriptedVAD(vad.VAD):
+    def __init__(self, turns: list[UserTurn]) -> None:
+        super().__init__(capabilities=vad.VADCapabilities(update_interval=0.05))
+        self.turns = turns
+
+    def stream(self) -> vad.VADStream:
+        return _ScriptedVADStream(self)
+
+
+class _ScriptedVADStream(vad.VADStream):
+    async def _main_task(self) -> None:
+        assert isinstance(self._vad, ScriptedVAD)
+        await self._input_ch.recv()
+        clock = _Clock()
+        for turn in self._vad.turns:
+            await clock.until(turn.start)
+            self._send(vad.VADEventType.START_OF_SPEECH, speaking=True, speech=0.0)
+            while clock.now() < turn.end:
+                await asyncio.sleep(0.05)
+                self._send(vad.VADEventType.INFERENCE_DONE, speaking=True, speech=clock.now() - turn.start)
+            self._send(vad.VADEventType.END_OF_SPEECH, speaking=False, speech=turn.end - turn.start)
+        async for _ in self._input_ch:
+            pass
+
+    def _send(self, type: vad.VADEventType, *, speaking: bool, speech: float) -> None:
+        self._event_ch.send_nowait(
+            vad.VADEvent(
+                type=type,
+                samples_index=0,
+                timestamp=time.time(),
+                speech_duration=speech,
+                silence_duration=0.0,
+                speaking=speaking,
+                raw_accumulated_speech=speech if speaking else 0.0,
+            )
+        )
+
+
+class ScriptedSTT(stt.STT):
+    """Streaming STT: each turn's final transcript arrives `delay` seconds after the turn ends."""
+
+    def __init__(self, turns: list[UserTurn], delay: float = 0.05) -> None:
+        super().__init__(capabilities=stt.STTCapabilities(streaming=True, interim_results=False))
+        self.turns, self.delay = turns, delay
+
+    async def _recognize_impl(self, buffer: Any, *, language: Any = NOT_GIVEN, conn_options: Any) -> stt.SpeechEvent:
+        raise NotImplementedError
+
+    def stream(
+        self, *, language: NotGivenOr[str] = NOT_GIVEN, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
+    ) -> stt.RecognizeStream:
+        return _ScriptedRecognizeStream(stt=self, conn_options=conn_options)
+
+
+class _ScriptedRecognizeStream(stt.RecognizeStream):
+    async def _run(self) -> None:
+        assert isinstance(self._stt, ScriptedSTT)
+        await self._input_ch.recv()
+        clock = _Clock()
+        for turn in self._stt.turns:
+            await clock.until(turn.end + self._stt.delay)
+            text = stt.SpeechData(text=turn.transcript, language=LanguageCode("en"))
+            self._event_ch.send_nowait(stt.SpeechEvent(type=stt.SpeechEventType.FINAL_TRANSCRIPT, alternatives=[text]))
+        async for _ in self._input_ch:
+            pass
+
+
+class ScriptedLLM(llm.LLM):
+    """Answers each known user message with its set reply, streamed a few characters at a time."""
+
+    def __init__(self, replies: dict[str, str]) -> None:
+        super().__init__()
+        self.replies = replies
+
+    def chat(
+        self, *, chat_ctx: llm.ChatContext, tools: Any = None, conn_options: Any = None, **_: Any
+    ) -> llm.LLMStream:
+        return _ScriptedLLMStream(self, chat_ctx=chat_ctx, tools=tools or [], conn_options=DEFAULT_API_CONNECT_OPTIONS)
+
+
+class _ScriptedLLMStream(llm.LLMStream):
+    async def _run(self) -> None:
+        assert isinstance(self._llm, ScriptedLLM)
+        reply = self._llm.replies.get(self.chat_ctx.items[-1].text_content or "", "")
+        for i in range(0, len(reply), 8):
+            delta = llm.ChoiceDelta(role="assistant", content=reply[i : i + 8])
+            self._event_ch.send_nowait(llm.ChatChunk(id="scripted", delta=delta))
+            await asyncio.sleep(0.002)
+
+
+class SilentAudioInput(AudioInput):
+    """A microphone that hears 20 ms of silence every 20 ms."""
+
+    def __init__(self) -> None:
+        super().__init__(label="silent-mic")
+
+    async def __anext__(self) -> rtc.AudioFrame:
+        await asyncio.sleep(0.02)
+        return rtc.AudioFrame(data=b"\0\0" * 320, sample_rate=16000, num_channels=1, samples_per_channel=320)
+
+
+class VirtualSpeaker(AudioOutput):
+    """An audio sink that 'plays' what it captures in real time, and reports where an interruption cut it."""
+
+    def __init__(self) -> None:
+        super().__init__(label="virtual-speaker", capabilities=AudioOutputCapabilities(pause=False))
+        self.captured = 0.0  # seconds of audio received, all segments
+        self._segment = 0.0
+        self._started_at: float | None = None
+        self._finish: asyncio.TimerHandle | None = None
+
+    async def capture_frame(self, frame: rtc.AudioFrame) -> None:
+        await super().capture_frame(frame)
+        assert frame.sample_rate == 24000 and frame.num_channels == 1
+        self.captured += frame.duration
+        self._segment += frame.duration
+        if self._started_at is None:
+            self._started_at = time.time()
+            self.on_playback_started(created_at=self._started_at)
+
+    def _played(self) -> float:
+        return 0.0 if self._started_at is None else min(time.time() - self._started_at, self._segment)
+
+    def flush(self) -> None:
+        super().flush()
+        if self._segment:
+            delay = self._segment - self._played()
+            self._finish = asyncio.get_running_loop().call_later(delay, self._end, False)
+
+    def clear_buffer(self) -> None:
+        if self._segment:
+            self._end(True)
+
+    def _end(self, interrupted: bool) -> None:
+        position = self._played()
+        if self._finish is not None:
+            self._finish.cancel()
+        self._segment, self._started_at, self._finish = 0.0, None, None
+        self.on_playback_finished(playback_position=position, interrupted=interrupted)
+
+
+@pytest.fixture(scope="module")
+def slow_engine(synthetic_config: EngineConfig) -> Iterator[OrpheusEngine]:
+    """Tokens at 150/s a stream (about 1.8x real time): the reply is still being generated when the user cuts in."""
+    engine = OrpheusEngine(replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=150)))
+    asyncio.run(engine.start())
+    yield engine
+    asyncio.run(engine.aclose())
+
+
+async def test_agent_session_speaks_through_orpheus_and_an_interruption_stops_it(slow_engine: OrpheusEngine) -> None:
+    turns = [UserTurn(0.2, 0.7, "Tell me a story."), UserTurn(2.5, 3.2, "Stop!")]
+    tts = orpheus.TTS(engine=slow_engine, voice="leo")
+    session = AgentSession(
+        vad=ScriptedVAD(turns),
+        stt=ScriptedSTT(turns),
+        llm=ScriptedLLM({"Tell me a story.": STORY}),
+        tts=tts,
+        turn_handling={
+            "turn_detection": "vad",
+            "endpointing": {"min_delay": 0.2, "max_delay": 2.0},
+            "interruption": {"mode": "vad", "min_duration": 0.2, "resume_false_interruption": False},
+        },
+        aec_warmup_duration=None,
+        user_away_timeout=None,
+    )
+    speaker = VirtualSpeaker()
+    session.input.audio = SilentAudioInput()
+    session.output.audio = speaker
+    states: list[AgentStateChangedEvent] = []
+    finished: list[PlaybackFinishedEvent] = []
+    session.on("agent_state_changed", states.append)
+    speaker.on("playback_finished", finished.append)
+    started = slow_engine.stats().get("streams_started", 0)
+    agent = Agent(instructions="You tell stories.")
+
+    await session.start(agent)
+    try:
+        await asyncio.wait_for(_until_true(lambda: bool(finished)), timeout=20)
+        await asyncio.wait_for(_until_true(lambda: slow_engine.stats()["active_streams"] == 0), timeout=1)
+    finally:
+        await session.aclose()
+
+    (playback,) = finished
+    assert playback.interrupted
+    assert 0.5 < playback.playback_position < speaker.captured  # it spoke, and was cut before the end
+    assert [s.new_state for s in states][:4] == ["listening", "thinking", "speaking", "listening"]
+    stats = slow_engine.stats()
+    assert stats["streams_cancelled"] >= 1  # the engine request in flight was aborted, not run to its end
+    assert stats["streams_started"] - started < STORY.count(".")  # later sentences were never requested
+    reply = [item for item in agent.chat_ctx.items if item.type == "message" and item.role == "assistant"]
+    assert reply and reply[0].interrupted
+
+
+async def _until_true(cond: Any) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)

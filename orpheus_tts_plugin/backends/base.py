@@ -85,6 +85,30 @@ class BackendError(RuntimeError):
     """The backend failed a request (the model crashed, the server went away)."""
 
 
+class RequestCounts:
+    """Live requests and outcome counters of a backend that forwards requests to another engine."""
+
+    def __init__(self, *extra: str):
+        self.live = 0
+        self.counts: collections.Counter[str] = collections.Counter(
+            {key: 0 for key in ("requests", "tokens", *extra, "aborted", "errors")}
+        )
+
+    def started(self) -> None:
+        self.counts["requests"] += 1
+        self.live += 1
+
+    def ended(self, reason: str) -> None:
+        self.live -= 1
+        if reason == FinishReason.ABORTED:
+            self.counts["aborted"] += 1
+        elif reason == FinishReason.ERROR:
+            self.counts["errors"] += 1
+
+    def stats(self, name: str, **extra: Any) -> dict[str, Any]:
+        return {"backend": name, **extra, "live_requests": self.live, **self.counts}
+
+
 class _StepStream:
     """A TokenStream fed by a stepping thread; lives on the loop that called `generate`."""
 

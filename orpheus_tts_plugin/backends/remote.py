@@ -23,7 +23,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the remote backend needs aiohttp: pip install 'orpheus-tts-plugin[remote]'") from exc
 
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest
+from .base import BackendError, FinishReason, GenerationRequest, RequestCounts
 
 # How each server family wants a completion request: prompt as ids or text, and which non-OpenAI fields it takes
 # (trtllm-serve and transformers serve reject unknown fields, so each dialect sends only what its server knows).
@@ -127,8 +127,7 @@ class RemoteBackend:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._allowed_json = json.dumps([*range(spec.first_audio_token, spec.audio_token_end), spec.end_of_speech])
-        self._live = 0
-        self._counts = {"requests": 0, "tokens": 0, "retries": 0, "aborted": 0, "errors": 0}
+        self._requests = RequestCounts("retries")
 
     async def start(self) -> None:
         if self._session is not None:
@@ -200,12 +199,11 @@ class RemoteBackend:
             raise BackendError("remote backend is not started")
         if asyncio.get_running_loop() is not self._loop:
             raise BackendError("remote backend: generate() must run on the loop that started it")
-        self._counts["requests"] += 1
-        self._live += 1
+        self._requests.started()
         return RemoteStream(self, req)
 
     def stats(self) -> dict[str, Any]:
-        return {"backend": self.name, "url": self.url, "live_requests": self._live, **self._counts}
+        return self._requests.stats(self.name, url=self.url)
 
     async def close(self) -> None:
         session, self._session = self._session, None
@@ -213,11 +211,7 @@ class RemoteBackend:
             await session.close()
 
     def _ended(self, reason: str) -> None:
-        self._live -= 1
-        if reason == FinishReason.ABORTED:
-            self._counts["aborted"] += 1
-        elif reason == FinishReason.ERROR:
-            self._counts["errors"] += 1
+        self._requests.ended(reason)
 
 
 class RemoteStream:
@@ -261,7 +255,7 @@ class RemoteStream:
                 self._drain_pending = True
             ids = [i for i in ids if i not in self._stop]
             if ids:
-                self._backend._counts["tokens"] += len(ids)
+                self._backend._requests.counts["tokens"] += len(ids)
                 return ids
         if self._drain_pending:
             self._drain_pending = False
@@ -284,7 +278,7 @@ class RemoteStream:
         err: BaseException | None = None
         for attempt in range(b.connect_retries + 1):
             if attempt:
-                b._counts["retries"] += 1
+                b._requests.counts["retries"] += 1
                 await asyncio.sleep(b.retry_backoff_s * 2 ** (attempt - 1))
             if self._ended:  # closed while retrying
                 raise StopAsyncIteration

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest
+from .base import BackendError, FinishReason, GenerationRequest, RequestCounts
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,7 @@ class TrtllmBackend:
         self._llm: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bias: Any = None
-        self._live = 0
-        self._counts = {"requests": 0, "tokens": 0, "aborted": 0, "errors": 0}
+        self._requests = RequestCounts()
 
     def llm_args(self) -> dict[str, Any]:
         """Keyword arguments of `tensorrt_llm.LLM` (PyTorch backend, FP8 KV cache, CUDA graphs)."""
@@ -173,14 +172,13 @@ class TrtllmBackend:
         try:
             result = self._llm.generate_async(list(req.prompt_ids), sampling_params=params, streaming=True)
         except Exception as exc:  # a rejected request must not take the engine down
-            self._counts["errors"] += 1
+            self._requests.counts["errors"] += 1
             raise BackendError(f"trtllm rejected request {req.request_id}: {exc}") from exc
-        self._counts["requests"] += 1
-        self._live += 1
+        self._requests.started()
         return TrtllmStream(self, req, result)
 
     def stats(self) -> dict[str, Any]:
-        return {"backend": self.name, "live_requests": self._live, **self._counts}
+        return self._requests.stats(self.name)
 
     async def close(self) -> None:
         llm, self._llm = self._llm, None
@@ -188,11 +186,7 @@ class TrtllmBackend:
             await asyncio.to_thread(llm.shutdown)
 
     def _ended(self, reason: str) -> None:
-        self._live -= 1
-        if reason == FinishReason.ABORTED:
-            self._counts["aborted"] += 1
-        elif reason == FinishReason.ERROR:
-            self._counts["errors"] += 1
+        self._requests.ended(reason)
 
 
 class TrtllmStream:
@@ -231,7 +225,7 @@ class TrtllmStream:
                     ids.pop()
                 self._finish(_FINISH.get(completion.finish_reason, FinishReason.ERROR))
             if ids:
-                self._backend._counts["tokens"] += len(ids)
+                self._backend._requests.counts["tokens"] += len(ids)
                 return ids
         raise StopAsyncIteration
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest
+from .base import BackendError, FinishReason, GenerationRequest, RequestCounts
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,7 @@ class VllmBackend:
         self._engine: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._allowed = audio_ids(spec)
-        self._live = 0
-        self._counts = {"requests": 0, "tokens": 0, "aborted": 0, "errors": 0}
+        self._requests = RequestCounts()
 
     def engine_args(self) -> Any:
         """`AsyncEngineArgs`: online FP8 unless the checkpoint is already quantised, FP8 KV cache."""
@@ -146,12 +145,11 @@ class VllmBackend:
             raise BackendError("vllm backend: generate() must run on the loop that started it")
         prompt = self._v.TokensPrompt(prompt_token_ids=list(req.prompt_ids))
         outputs = self._engine.generate(prompt, self.sampling_params(req), req.request_id)
-        self._counts["requests"] += 1
-        self._live += 1
+        self._requests.started()
         return VllmStream(self, req, outputs)
 
     def stats(self) -> dict[str, Any]:
-        return {"backend": self.name, "live_requests": self._live, **self._counts}
+        return self._requests.stats(self.name)
 
     async def close(self) -> None:
         engine, self._engine = self._engine, None
@@ -159,11 +157,7 @@ class VllmBackend:
             await asyncio.to_thread(engine.shutdown)
 
     def _ended(self, reason: str) -> None:
-        self._live -= 1
-        if reason == FinishReason.ABORTED:
-            self._counts["aborted"] += 1
-        elif reason == FinishReason.ERROR:
-            self._counts["errors"] += 1
+        self._requests.ended(reason)
 
 
 class VllmStream:
@@ -232,7 +226,7 @@ class VllmStream:
             return
         if ids:
             self._items.append(ids)
-            self._backend._counts["tokens"] += len(ids)
+            self._backend._requests.counts["tokens"] += len(ids)
         if finish is not None:
             self._error = error
             self._finish(finish)

@@ -6,10 +6,11 @@ from typing import Any
 
 from .backends.base import SamplingParams
 from .backends.synthetic import SyntheticConfig
-from .engine import AudioChunk, EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
+from .engine import AudioChunk, EngineClosedError, EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
 
 __all__ = [
     "AudioChunk",
+    "EngineClosedError",
     "EngineConfig",
     "EngineError",
     "EngineOverloadedError",

@@ -24,6 +24,7 @@ from .backends.base import BackendError, FinishReason, GenerationRequest, Sampli
 from .backends.synthetic import SyntheticConfig
 from .codes import FrameParser
 from .decoder import DecodeState, NullDecoder, StreamingDecoder
+from .mailbox import Mailbox
 from .prompt import prompt_ids, token_budget
 from .spec import SAMPLE_RATE, ModelSpec, spec_for
 from .text import split_sentences
@@ -79,6 +80,10 @@ class EngineError(RuntimeError):
     """A stream failed inside the engine (backend error, engine closed)."""
 
 
+class EngineClosedError(EngineError):
+    """The engine was closed (before or while this stream ran); retrying on it cannot help."""
+
+
 class EngineOverloadedError(EngineError):
     """The engine is at `max_streams`; retry later or on another worker."""
 
@@ -86,39 +91,24 @@ class EngineOverloadedError(EngineError):
 class _Stream:
     """Caller-side handle of one synthesize() stream; lives on the caller's event loop."""
 
-    __slots__ = ("_items", "_waiter", "closed", "error", "id", "loop", "samples", "task")
+    __slots__ = ("box", "closed", "id", "loop", "samples", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.id = uuid.uuid4().hex
         self.loop = loop
         self.closed = False  # set by the caller when it leaves early; read by every thread
-        self.error: BaseException | None = None
         self.samples = 0  # written by the decoder thread only
         self.task: asyncio.Task[None] | None = None  # the engine-loop task generating its tokens
-        self._items: collections.deque[AudioChunk] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self.box: Mailbox[AudioChunk] = Mailbox()
 
     def put(self, item: AudioChunk | BaseException) -> None:
-        """Runs on the caller's loop."""
+        """Runs on the caller's loop: a chunk, or the error that ends the stream."""
         if self.closed:
             return
         if isinstance(item, BaseException):
-            self.error = item
+            self.box.end(item)
         else:
-            self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def get(self) -> AudioChunk:
-        while not self._items:
-            if self.error is not None:
-                raise self.error
-            self._waiter = self.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
+            self.box.put(item)
 
 
 @dataclass
@@ -271,7 +261,7 @@ class OrpheusEngine:
         """Load the tokenizer, backend and decoder once; safe to await from any loop, any number of times."""
         with self._lock:
             if self._closed:
-                raise EngineError("engine is closed")
+                raise EngineClosedError("engine is closed")
             if self._started is None:
                 self._started = concurrent.futures.Future()
                 self._thread = threading.Thread(target=self._thread_main, name="orpheus-engine", daemon=True)
@@ -345,7 +335,7 @@ class OrpheusEngine:
         with self._lock:
             orphans = list(self._open)
         for stream in orphans:  # their callers are still waiting: tell them
-            _post(stream, EngineError("engine closed"))
+            _post(stream, EngineClosedError("engine closed"))
             self._release(stream)
 
     # ---------------------------------------------------------------- synthesis
@@ -398,13 +388,13 @@ class OrpheusEngine:
         complete = False
         try:
             while not complete:
-                chunk = await stream.get()
+                chunk = await stream.box.get()
                 complete = chunk.final
                 yield chunk
         finally:
             if not complete:
                 stream.closed = True
-                self._count("streams_cancelled" if stream.error is None else "streams_failed")
+                self._count("streams_failed" if stream.box.ended else "streams_cancelled")
                 with contextlib.suppress(RuntimeError):  # RuntimeError: the engine loop is already closed
                     self._loop.call_soon_threadsafe(self._cancel, stream)
 
@@ -426,7 +416,7 @@ class OrpheusEngine:
     def _admit(self, stream: _Stream) -> None:
         with self._lock:
             if self._closed:
-                raise EngineError("engine is closed")
+                raise EngineClosedError("engine is closed")
             if len(self._open) >= self.config.max_streams:
                 self._counters["streams_rejected"] += 1
                 raise EngineOverloadedError(f"engine at capacity ({self.config.max_streams} streams)")
@@ -472,7 +462,7 @@ class OrpheusEngine:
         except asyncio.CancelledError:
             worker.drop(stream)
             if not stream.closed:  # not the caller's cancel: the engine is shutting down
-                _post(stream, EngineError("engine closed"))
+                _post(stream, EngineClosedError("engine closed"))
             self._release(stream)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             worker.drop(stream)

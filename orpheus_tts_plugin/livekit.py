@@ -37,7 +37,7 @@ from livekit.agents import (
 )
 from livekit.agents.types import NOT_GIVEN, NotGivenOr
 
-from orpheus_tts_plugin.engine import EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
+from orpheus_tts_plugin.engine import EngineClosedError, EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
 from orpheus_tts_plugin.spec import SAMPLE_RATE
 
 __all__ = [
@@ -195,6 +195,8 @@ async def _speak(engine: OrpheusEngine, text: str, opts: _Options, emitter: tts.
                     emitter.push(chunk.pcm)
     except EngineOverloadedError as exc:  # full engine: try again later, or on another worker
         raise APIStatusError(str(exc), status_code=503, retryable=True) from exc
+    except EngineClosedError as exc:  # the worker is shutting down: this engine will not come back
+        raise APIError(str(exc), retryable=False) from exc
     except EngineError as exc:  # a failed generation (backend error): worth one more try
         raise APIConnectionError(str(exc)) from exc
     except (ValueError, TypeError) as exc:  # bad text, voice or sampling value: retrying cannot help

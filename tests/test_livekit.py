@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from livekit.agents import APIConnectionError, APIConnectOptions, APIStatusError, Plugin
+from livekit.agents import APIConnectionError, APIConnectOptions, APIError, APIStatusError, Plugin
 from livekit.agents.metrics import TTSMetrics
 from livekit.agents.tts import SynthesizedAudio, TTSError
 
@@ -266,6 +266,17 @@ async def test_backend_failure_is_a_retryable_connection_error(synthetic_config:
             await tts.synthesize(STORY, conn_options=APIConnectOptions(max_retry=1, retry_interval=0)).collect()
         assert exc_info.value.retryable
         assert [e.recoverable for e in errors] == [True, False]  # retried once, then gave up
+
+
+async def test_a_closed_engine_is_not_retried(synthetic_config: EngineConfig) -> None:
+    async with running(synthetic_config) as engine:
+        pass
+    tts = orpheus.TTS(engine=engine)
+    errors = _errors(tts)
+    with pytest.raises(APIError) as exc_info:
+        await tts.synthesize(STORY, conn_options=APIConnectOptions(max_retry=2, retry_interval=0)).collect()
+    assert not exc_info.value.retryable and "closed" in str(exc_info.value)
+    assert [e.recoverable for e in errors] == [False]
 
 
 # ---------------------------------------------------------------------------------------------- many loops

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from ..mailbox import Mailbox
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -112,52 +114,35 @@ class RequestCounts:
 class _StepStream:
     """A TokenStream fed by a stepping thread; lives on the loop that called `generate`."""
 
-    def __init__(self, backend: SteppedBackend, req: GenerationRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, backend: SteppedBackend, req: GenerationRequest):
         self.req = req
         self.finish_reason: str | None = None
         self._backend = backend
-        self._loop = loop
-        self._items: collections.deque[list[int]] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._done = False
-        self._error: BaseException | None = None
+        self._box: Mailbox[list[int]] = Mailbox()
         self._closed = False
 
     def __aiter__(self) -> _StepStream:
         return self
 
     async def __anext__(self) -> list[int]:
-        while not self._items:
-            if self._done:
-                if self._error is not None:
-                    raise self._error
-                raise StopAsyncIteration
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
+        return await self._box.get()
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            if not self._done:
+            if not self._box.ended:
                 self._backend._abort(self)
-        self._done = True
+                self._box.end()
 
     def _push(self, ids: list[int], finish: str | None, error: BaseException | None = None) -> None:
         """Called on the loop once per engine step with this request's new ids."""
         if self._closed:
             return
         if ids:
-            self._items.append(ids)
+            self._box.put(ids)
         if finish is not None:
             self.finish_reason = finish
-            self._error = error
-            self._done = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            self._box.end(error)
 
 
 class SteppedBackend:
@@ -231,7 +216,7 @@ class SteppedBackend:
             raise BackendError(f"{self.name} backend is not running")
         if asyncio.get_running_loop() is not self._loop:
             raise BackendError(f"{self.name} backend: generate() must run on the loop that started it")
-        stream = _StepStream(self, req, self._loop)
+        stream = _StepStream(self, req)
         with self._cv:
             self._pending.append(stream)
             self._cv.notify()

@@ -9,13 +9,13 @@ ever used; the tests drive this module through a stand-in that follows those sig
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..mailbox import Mailbox
 from ..spec import ENGLISH, ModelSpec
 from .base import BackendError, FinishReason, GenerationRequest, RequestCounts
 
@@ -36,8 +36,13 @@ def import_vllm() -> SimpleNamespace:
         from vllm.v1.engine.async_llm import AsyncLLM
     except (ImportError, OSError, RuntimeError) as exc:
         raise ImportError(f"{INSTALL_HINT} (import failed: {exc})") from exc
-    return SimpleNamespace(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM, SamplingParams=SamplingParams,
-                           TokensPrompt=TokensPrompt, RequestOutputKind=RequestOutputKind)
+    return SimpleNamespace(
+        AsyncEngineArgs=AsyncEngineArgs,
+        AsyncLLM=AsyncLLM,
+        SamplingParams=SamplingParams,
+        TokensPrompt=TokensPrompt,
+        RequestOutputKind=RequestOutputKind,
+    )
 
 
 def audio_ids(spec: ModelSpec) -> list[int]:
@@ -168,34 +173,21 @@ class VllmStream:
         self.finish_reason: str | None = None
         self._backend = backend
         self._stop = frozenset((backend.spec.end_of_speech, *req.stop_ids))
-        self._items: collections.deque[list[int]] = collections.deque()
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._box: Mailbox[list[int]] = Mailbox()
         self._pump = asyncio.get_running_loop().create_task(self._run(outputs))
 
     def __aiter__(self) -> VllmStream:
         return self
 
     async def __anext__(self) -> list[int]:
-        while not self._items:
-            if self.finish_reason is not None:
-                if self._error is not None:
-                    error, self._error = self._error, None
-                    raise error
-                raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
+        return await self._box.get()
 
     async def aclose(self) -> None:
         """Abort the request in vLLM: stop the pump (vLLM aborts on cancel) and `await engine.abort(id)`."""
         if self.finish_reason is not None:
             return
         self._finish(FinishReason.ABORTED)
-        self._items.clear()
+        self._box.clear()
         self._pump.cancel()
         engine = self._backend._engine
         if engine is not None:
@@ -225,16 +217,12 @@ class VllmStream:
         if self.finish_reason is not None:  # closed meanwhile
             return
         if ids:
-            self._items.append(ids)
+            self._box.put(ids)
             self._backend._requests.counts["tokens"] += len(ids)
         if finish is not None:
-            self._error = error
-            self._finish(finish)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            self._finish(finish, error)
 
-    def _finish(self, reason: str) -> None:
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
         self.finish_reason = reason
         self._backend._ended(reason)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._box.end(error)

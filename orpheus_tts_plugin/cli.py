@@ -107,6 +107,16 @@ def _cmd_make_test_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_download(args: argparse.Namespace) -> int:
+    from .engine import EngineConfig
+    from .weights import download_files, hub_repos
+
+    config = EngineConfig(model=args.model, snac=args.snac)
+    download_files(config)
+    print(f"fetched {', '.join(hub_repos(config))} into the Hugging Face cache")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -153,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("b")
     cmp_.add_argument("--tolerance", type=int, default=33)
     cmp_.set_defaults(func=_cmd_compare)
+
+    dl = sub.add_parser("download", help="fetch Orpheus and SNAC weights into the Hugging Face cache")
+    dl.add_argument("--model", default="canopylabs/orpheus-3b-0.1-ft")
+    dl.add_argument("--snac", default="hubertsiuzdak/snac_24khz")
+    dl.set_defaults(func=_cmd_download)
 
     mk = sub.add_parser("make-test-model", help="write random-weight Orpheus-shaped and SNAC checkpoints")
     mk.add_argument("dir")

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from livekit.agents.types import NOT_GIVEN, NotGivenOr
 
 from orpheus_tts_plugin.engine import EngineClosedError, EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
 from orpheus_tts_plugin.spec import SAMPLE_RATE
+from orpheus_tts_plugin.weights import download_files
 
 __all__ = [
     "TTS",
@@ -55,8 +55,6 @@ logger = logging.getLogger(__name__)
 
 NUM_CHANNELS = 1
 # Files that transformers and SNAC load from a hub repo (weights, configs, tokenizer).
-_HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.tiktoken"]
-
 _used_configs: dict[EngineConfig, None] = {}  # configs this process builds engines from, for download_files()
 _used_lock = threading.Lock()
 
@@ -326,28 +324,6 @@ def server_options(
 
 
 # ---------------------------------------------------------------------------------------------- weights
-def _hub_repos(config: EngineConfig) -> list[str]:
-    """Hub repos that an engine of `config` loads: LLM weights, tokenizer, SNAC (local dirs and URLs left out)."""
-    repos = []
-    if config.backend not in ("synthetic", "remote"):
-        repos.append(config.model)
-    if config.backend != "synthetic" or config.tokenizer:
-        repos.append(config.tokenizer or config.model)
-    if config.decoder == "snac":
-        repos.append(config.snac)
-    return [r for r in dict.fromkeys(repos) if r and not os.path.isdir(r) and not r.startswith(("http://", "https://"))]
-
-
-def download_files(*configs: EngineConfig) -> None:
-    """Fetch the Orpheus and SNAC weights of `configs` (default: the default config) into the Hugging Face cache."""
-    from huggingface_hub import snapshot_download
-
-    for config in configs or (EngineConfig(),):
-        for repo in _hub_repos(config):
-            logger.info("downloading %s", repo)
-            snapshot_download(repo, allow_patterns=_HUB_FILES)
-
-
 class OrpheusPlugin(Plugin):
     """The LiveKit plugin entry: `download-files` fetches the weights of every engine config this process uses."""
 

@@ -131,6 +131,31 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    """`bench decoder | overhead | engine`, each with its own flags."""
+    from . import bench_engine
+
+    bench = sub.add_parser("bench", help="report decoder and engine figures")
+    what = bench.add_subparsers(dest="what", required=True)
+    dec = what.add_parser("decoder", help="SNAC decode CPU per audio second: project vs reference scheme")
+    dec.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="SNAC checkpoint")
+    dec.add_argument("--streams", type=int, default=8, help="concurrent streams")
+    dec.add_argument("--seconds", type=float, default=4.0, help="audio seconds per stream")
+    dec.add_argument("--device", default="cpu")
+    dec.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    over = what.add_parser("overhead", help="host CPU per token: synthetic backend, no-op decoder")
+    over.add_argument("--streams", type=int, default=256, help="concurrent streams")
+    over.add_argument("--frames", type=int, default=48, help="frames per utterance")
+    over.add_argument("--rate", type=float, default=0.0, help="tokens/s per stream (0 = flat out)")
+    over.add_argument("--loops", type=int, default=1, help="consumer event loops (threads)")
+    for p in (dec, over):
+        p.add_argument("--json", default=None)
+        p.set_defaults(func=_cmd_bench)
+    eng = what.add_parser("engine", help="TTFB, underruns and real-time capacity of the engine under traffic")
+    bench_engine.add_arguments(eng)
+    eng.set_defaults(func=bench_engine.main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orpheus-tts", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -181,25 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     _quantize.add_arguments(q)
     q.set_defaults(func=_quantize.quantize_main)
 
-    bench = sub.add_parser("bench", help="report decoder and engine figures")
-    bench.add_argument("what", choices=("decoder", "overhead"))
-    bench.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="decoder: SNAC checkpoint")
-    bench.add_argument("--streams", type=int, default=None, help="concurrent streams (decoder 8, overhead 256)")
-    bench.add_argument("--seconds", type=float, default=4.0, help="decoder: audio seconds per stream")
-    bench.add_argument("--frames", type=int, default=48, help="overhead: frames per utterance")
-    bench.add_argument("--rate", type=float, default=0.0, help="overhead: tokens/s per stream (0 = flat out)")
-    bench.add_argument("--loops", type=int, default=1, help="overhead: consumer event loops (threads)")
-    bench.add_argument("--device", default="cpu")
-    bench.add_argument("--threads", type=int, default=1, help="decoder: torch intra-op threads")
-    bench.add_argument("--json", default=None)
-    bench.set_defaults(func=_cmd_bench)
+    _add_bench(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "streams", 0) is None:
-        args.streams = 8 if args.what == "decoder" else 256
     return args.func(args)
 
 

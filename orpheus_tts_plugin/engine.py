@@ -44,7 +44,7 @@ class EngineConfig:
     max_batch_size: int = 64  # rows per backend step
     max_seq_len: int = 4096
     first_chunk_frames: int = 4  # frames before the first decode: 4 → 3,435 exact samples after 28 tokens
-    decoder: str = "snac"  # snac | null (silence on the same schedule, for overhead benchmarks)
+    decoder: str = "snac"  # snac | null (silence on the same schedule) | reference (4-frame windows); benchmarks
     noise_seed: int = 0
     sentence_max_chars: int = 300
     token_budget_per_char: float = 12.0
@@ -296,13 +296,16 @@ class OrpheusEngine:
         self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
         if cfg.decoder == "null":
             decoder: StreamingDecoder = NullDecoder(cfg.first_chunk_frames)
-        elif cfg.decoder == "snac":
-            from .decoder import load_snac
+        elif cfg.decoder in ("snac", "reference"):
+            from .decoder import ReferenceDecoder, load_snac
 
             snac = await asyncio.to_thread(load_snac, cfg.snac, device, noise_seed=cfg.noise_seed)
-            decoder = StreamingDecoder(snac, cfg.first_chunk_frames)
+            if cfg.decoder == "reference":  # the reference 4-frame-window scheme, for side-by-side benchmarks
+                decoder = ReferenceDecoder(snac)
+            else:
+                decoder = StreamingDecoder(snac, cfg.first_chunk_frames)
         else:
-            raise ValueError(f"unknown decoder {cfg.decoder!r}; use 'snac' or 'null'")
+            raise ValueError(f"unknown decoder {cfg.decoder!r}; use 'snac', 'null' or 'reference'")
         self._backend = self._custom_backend or make_backend(cfg, self.spec, device)
         await self._backend.start()
         self._worker = _DecodeWorker(decoder, self._stream_done)

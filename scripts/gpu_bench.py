@@ -1,0 +1,479 @@
+#!/usr/bin/env python
+"""One-GPU benchmark of orpheus_tts_plugin (sized for one NVIDIA H200, under 10 minutes), with a CPU smoke mode.
+
+Measures, with random weights of the real shapes (Orpheus-3B Llama, SNAC 24 kHz), so timing and not speech:
+  (a) decoder: audio seconds decoded per second, project streaming scheme vs the reference 4-frame window,
+      batch 1 to 256, eager and under CUDA graphs;
+  (b) hf backend: tokens/s and time to first token / to the 28 tokens of the first audio, concurrency 1 to 256;
+  (c) `bench engine`: TTFB, underruns and real-time capacity of the whole engine (hf backend + project decoder).
+Each part has a time budget and records what it skipped; a failing part is recorded and the others still run.
+
+The GPU machine has no network and only PyTorch, Triton and transformers. Nothing needs installing: this
+script puts the repository and the wheels in ./wheels on sys.path (pure-Python wheels import from the zip).
+Fetch them here, where there is network, into the repository copy that travels to the GPU machine:
+    pip download snac==1.2.1 einops --no-deps -d wheels/
+There (or install instead: pip install --no-deps wheels/*.whl && pip install --no-deps --no-build-isolation -e .):
+    python scripts/gpu_bench.py --out docs/gpu-h200.json
+CPU smoke test (tiny sizes, seconds; what CI runs):
+    python scripts/gpu_bench.py --smoke --out /tmp/gpu-smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bootstrap() -> None:
+    """Import this checkout and, if snac/einops are missing, the wheels that travelled with it."""
+    sys.path.insert(0, str(ROOT))
+    for name in ("snac", "einops"):
+        try:
+            __import__(name)
+        except ImportError:
+            sys.path.extend(str(w) for w in sorted((ROOT / "wheels").glob("*.whl")))
+
+
+_bootstrap()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from orpheus_tts_plugin.bench import print_rows, run_metadata, write_json  # noqa: E402
+from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE, SAMPLES_PER_FRAME  # noqa: E402
+from orpheus_tts_plugin.testmodel import ROPE_SCALING, ROPE_THETA  # noqa: E402
+
+FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
+REALTIME_TOKENS_PER_S = 7 / FRAME_S  # 82.0: tokens a stream needs per second of audio
+ORPHEUS_3B = dict(  # canopylabs/orpheus-3b-0.1-ft (Llama 3.2 3B)
+    hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+    num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+)  # fmt: skip
+TINY_LLAMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and time budgets of one run."""
+
+    snac: str = "full"
+    llama: tuple[tuple[str, Any], ...] = tuple(ORPHEUS_3B.items())
+    decoder_batches: tuple[int, ...] = (1, 4, 16, 64, 128, 256)
+    decoder_ticks: int = 40
+    backend_concurrency: tuple[int, ...] = (1, 4, 16, 64, 128, 256)
+    backend_tokens: int = 287  # 41 frames, 3.5 s of audio per request
+    engine_streams: tuple[int, ...] = (1, 4, 16, 32, 64, 128)
+    engine_duration_s: float = 12.0
+    engine_budget_per_char: float = 6.0
+    max_seq_len: int = 2048
+    budgets_s: tuple[tuple[str, float], ...] = (("decoder", 120.0), ("backend", 150.0), ("engine", 210.0))
+    min_left_s: float = 15.0  # do not start a point with less than this left in its part
+
+
+SMOKE = Plan(
+    snac="tiny",
+    llama=tuple(TINY_LLAMA.items()),
+    decoder_batches=(1, 2),
+    decoder_ticks=3,
+    backend_concurrency=(1, 2),
+    backend_tokens=35,
+    engine_streams=(1, 2),
+    engine_duration_s=1.0,
+    engine_budget_per_char=1.0,
+    max_seq_len=1024,
+    budgets_s=(("decoder", 60.0), ("backend", 60.0), ("engine", 60.0)),
+    min_left_s=0.0,
+)
+
+
+class Clock:
+    """Deadlines of the parts; `left()` is what remains of the current one."""
+
+    def __init__(self, budget_s: float):
+        self.start = time.monotonic()
+        self.end = self.start + budget_s
+        self.part_end = self.end
+
+    def begin(self, budget_s: float) -> None:
+        self.part_end = min(self.end, time.monotonic() + budget_s)
+
+    def left(self) -> float:
+        return self.part_end - time.monotonic()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_tick_s(tick: Callable[[], Any], ticks: int, budget_s: float) -> float:
+    """Median wall seconds of tick() after two warm-up calls, over `ticks` calls or `budget_s`."""
+    tick(), tick()
+    _sync()
+    times: list[float] = []
+    end = time.perf_counter() + budget_s
+    while len(times) < ticks and (len(times) < 3 or time.perf_counter() < end):
+        t = time.perf_counter()
+        tick()
+        _sync()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+# ------------------------------------------------------------------------------------ (a) decoder
+
+
+def _cuda_graph(body: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """body() captured as a CUDA graph (after warm-up on a side stream); calling it replays the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
+def _project_static(decoder: Any, states: list[Any], codes: list[torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The project decoder's steady-state step on fixed tensors (one new frame a row), graph-capturable.
+
+    Starts from `states` (primed past the warm-up frames by the real decoder) and keeps their
+    layer buffers and positions in static tensors, so that each call continues the same streams.
+    """
+    from orpheus_tts_plugin.decoder import _Step, to_int16
+
+    buffers = [torch.cat(col).clone() for col in zip(*(st.buffers for st in states))]
+    fb = torch.tensor([st.frames_in for st in states], device=decoder.device)
+    end = torch.full_like(fb, 2**40)
+
+    @torch.inference_mode()
+    def body() -> torch.Tensor:
+        x = decoder.snac.quantizer.from_codes(codes)
+        step = _Step(fb, end, buffers, need_mask=False)
+        for layer in decoder.layers:
+            x = layer(x, step)
+        for old, new in zip(buffers, step.buffers_out):
+            old.copy_(new)
+        fb.add_(1)
+        return to_int16(torch.tanh(x[:, 0]))
+
+    return body
+
+
+def _decoder_batch(snac: Any, batch: int, plan: Plan, clock: Clock, graphs: bool) -> dict[str, Any]:
+    """One batch size: project and reference scheme, eager and (on CUDA) graphed; audio s per wall s."""
+    from orpheus_tts_plugin.codes import frames_to_levels
+    from orpheus_tts_plugin.decoder import StreamingDecoder, reference_decode, to_int16
+
+    dev = next(snac.parameters()).device
+    frames = np.random.default_rng(batch).integers(0, 4096, size=(batch, 64, 7))
+    decoder = StreamingDecoder(snac)
+    states = [decoder.new_state() for _ in range(batch)]
+    k = 0
+
+    def project_tick() -> list[np.ndarray]:
+        nonlocal k
+        for st, f in zip(states, frames):
+            st.pending.append(f[k % 64 : k % 64 + 1])
+        k += 1
+        return decoder.decode(states) if states[0].ready(decoder.first_chunk_frames) else []
+
+    while k < decoder.first_chunk_frames + decoder.warmup_frames:  # past the frames that need masking
+        project_tick()
+    # The graph-capturable static step must emit what the decoder emits: checked on the next frame.
+    codes = [torch.from_numpy(c).to(dev) for c in frames_to_levels(frames[:, k % 64 : k % 64 + 1])]
+    static = _project_static(decoder, states, codes)
+    static_audio = static().cpu().numpy()
+    static_diff = max(int(np.abs(a.astype(int) - b.astype(int)).max()) for a, b in zip(static_audio, project_tick()))
+
+    windows = frames[:, :4]
+    window_codes = [torch.from_numpy(c).to(dev) for c in frames_to_levels(windows)]
+
+    @torch.inference_mode()
+    def reference_body() -> torch.Tensor:
+        return to_int16(snac.decode(window_codes)[:, 0, SAMPLES_PER_FRAME : 2 * SAMPLES_PER_FRAME])
+
+    tick_budget = max(1.0, min(10.0, clock.left() / 8))
+    audio_s = batch * FRAME_S
+    row: dict[str, Any] = {"batch": batch, "static_step_max_diff_int16": static_diff}
+    row["project_eager_x_rt"] = audio_s / _median_tick_s(project_tick, plan.decoder_ticks, tick_budget)
+    row["reference_eager_x_rt"] = audio_s / _median_tick_s(
+        lambda: reference_decode(snac, windows), plan.decoder_ticks, tick_budget
+    )
+    row["project_over_reference_eager"] = row["project_eager_x_rt"] / row["reference_eager_x_rt"]
+    if graphs:
+        for name, body in (("project", static), ("reference", reference_body)):
+            try:
+                replay = _cuda_graph(body)
+                tick_s = _median_tick_s(lambda r=replay: r().cpu(), plan.decoder_ticks, tick_budget)
+                row[f"{name}_graph_x_rt"] = audio_s / tick_s
+            except Exception as exc:  # noqa: BLE001 - recorded; the eager figure stands
+                row[f"{name}_graph_error"] = f"{type(exc).__name__}: {exc}"
+        if "project_graph_x_rt" in row and "reference_graph_x_rt" in row:
+            row["project_over_reference_graph"] = row["project_graph_x_rt"] / row["reference_graph_x_rt"]
+    return row
+
+
+def part_decoder(assets: dict[str, str], plan: Plan, clock: Clock, device: str) -> dict[str, Any]:
+    """(a) Decoder throughput by batch size; x_rt = audio seconds decoded per wall second (real-time streams)."""
+    from orpheus_tts_plugin.decoder import load_snac
+
+    snac = load_snac(assets["snac"], device)
+    graphs = device.startswith("cuda")
+    rows: list[dict[str, Any]] = []
+    for batch in plan.decoder_batches:
+        if clock.left() < plan.min_left_s:
+            rows.append({"batch": batch, "skipped": "time budget"})
+            continue
+        rows.append(_decoder_batch(snac, batch, plan, clock, graphs))
+    one = next((r for r in rows if r["batch"] == 1 and "skipped" not in r), None)
+    return {
+        "rows": rows,
+        "reference_one_stream_at_a_time_x_rt": one["reference_eager_x_rt"] if one else None,
+        "cuda_graphs": graphs,
+    }
+
+
+# ------------------------------------------------------------------------------------ (b) backend
+
+
+def _llama_config(plan: Plan) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=ENGLISH.vocab_size,
+        max_position_embeddings=131072,
+        rope_scaling=dict(ROPE_SCALING),
+        rope_theta=ROPE_THETA,
+        rms_norm_eps=1e-5,
+        bos_token_id=ENGLISH.bos,
+        eos_token_id=ENGLISH.end_of_speech,
+        pad_token_id=ENGLISH.pad,
+        **dict(plan.llama),
+    )
+
+
+def build_llama(plan: Plan, device: str) -> torch.nn.Module:
+    """A LlamaForCausalLM of the plan's shape with random weights, built directly on `device`."""
+    from transformers import LlamaForCausalLM
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(_llama_config(plan))
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def random_backend(model: torch.nn.Module, plan: Plan, device: str, max_batch_size: int) -> Any:
+    """The project's HFBackend serving `model` (no checkpoint on disk: its loader is handed the model)."""
+    from unittest import mock
+
+    from transformers import AutoModelForCausalLM
+
+    from orpheus_tts_plugin.backends.hf import HFBackend
+
+    class RandomWeightsHF(HFBackend):
+        def _load(self) -> None:
+            with mock.patch.object(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model):
+                super()._load()
+
+    return RandomWeightsHF("random-weights", device=device, max_batch_size=max_batch_size, max_seq_len=plan.max_seq_len)
+
+
+def _time_of_token(arrivals: list[tuple[float, int]], n: int) -> float | None:
+    """When the n-th token arrived (None if fewer came): 28 tokens make the first audio."""
+    counts = np.cumsum([m for _, m in arrivals])
+    i = int(np.searchsorted(counts, n))
+    return arrivals[i][0] if i < len(arrivals) else None
+
+
+async def _backend_point(backend: Any, prompt: tuple[int, ...], n: int, tokens: int, clock: Clock) -> dict[str, Any]:
+    from orpheus_tts_plugin.backends.base import GenerationRequest, SamplingParams
+
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+
+    async def one(i: int) -> None:
+        req = GenerationRequest(f"c{n}-{i}", prompt, SamplingParams(), tokens, (ENGLISH.end_of_speech,))
+        stream = backend.generate(req)
+        try:
+            async for ids in stream:
+                arrivals[i].append((time.perf_counter(), len(ids)))
+        finally:
+            await stream.aclose()
+
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    _, pending = await asyncio.wait(tasks, timeout=max(1.0, clock.left()))
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    got = [a for a in arrivals if a]
+    ttft = [a[0][0] - t0 for a in got]
+    first_audio = [t - t0 for a in got if (t := _time_of_token(a, 28)) is not None]
+    all_in = max(ttft) if ttft else 0.0
+    end = max(a[-1][0] for a in got) if got else t0
+    steady = sum(m for a in got for t, m in a if t > t0 + all_in)
+    per_s = steady / (end - t0 - all_in) if end - t0 > all_in else None
+    return {
+        "concurrency": n,
+        "completed": len(tasks) - len(pending),
+        "ttft_p50_ms": float(np.median(ttft) * 1e3) if ttft else None,
+        "ttft_p95_ms": float(np.percentile(ttft, 95) * 1e3) if ttft else None,
+        "tokens28_p50_ms": float(np.median(first_audio) * 1e3) if first_audio else None,
+        "tokens28_p95_ms": float(np.percentile(first_audio, 95) * 1e3) if first_audio else None,
+        "tokens_per_s": per_s,
+        "tokens_per_s_per_stream": per_s / n if per_s else None,
+        "realtime": bool(per_s and per_s / n >= REALTIME_TOKENS_PER_S),
+    }
+
+
+def part_backend(assets: dict[str, Any], plan: Plan, clock: Clock, device: str) -> dict[str, Any]:
+    """(b) hf backend, all requests at once per level: time to first token / first 28 tokens, steady tokens/s."""
+    from transformers import AutoTokenizer
+
+    from orpheus_tts_plugin.prompt import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
+    prompt = prompt_ids(tokenizer, ENGLISH, "Thanks for calling. How can I help you today?", "tara")
+    backend = random_backend(assets["llama"], plan, device, max(plan.backend_concurrency))
+
+    async def run() -> list[dict[str, Any]]:
+        await backend.start()
+        rows = []
+        try:
+            for n in plan.backend_concurrency:
+                if clock.left() < plan.min_left_s:
+                    rows.append({"concurrency": n, "skipped": "time budget"})
+                    continue
+                rows.append(await _backend_point(backend, prompt, n, plan.backend_tokens, clock))
+        finally:
+            await backend.close()
+        return rows
+
+    return {"prompt_tokens": len(prompt), "new_tokens": plan.backend_tokens, "rows": asyncio.run(run())}
+
+
+# ------------------------------------------------------------------------------------ (c) engine
+
+
+def part_engine(assets: dict[str, Any], plan: Plan, clock: Clock, device: str) -> dict[str, Any]:
+    """(c) `bench engine` (constant traffic, project decoder) one level at a time while the budget lasts."""
+    from orpheus_tts_plugin import bench_engine
+    from orpheus_tts_plugin.bench_figures import capacity
+
+    points: list[dict[str, Any]] = []
+    skipped: list[int] = []
+    base = bench_engine.BenchOptions(
+        backend="hf",
+        model=assets["tokenizer"],  # the tokenizer; the backend is the random-weight one below
+        snac=assets["snac"],
+        device=device,
+        duration_s=plan.engine_duration_s,
+        budget_per_char=plan.engine_budget_per_char,
+        progress=False,
+    )
+    for n in plan.engine_streams:
+        if clock.left() < max(plan.min_left_s, 2.5 * plan.engine_duration_s):
+            skipped.append(n)
+            continue
+        opts = replace(base, streams=(n,), drain_s=min(plan.engine_duration_s, max(1.0, clock.left() / 3)))
+        result = bench_engine.run(opts, lambda n=n: random_backend(assets["llama"], plan, device, max(n, 1)))
+        points.extend(result["points"])
+    return {"options": asdict(base), "points": points, "capacity": capacity(points), "skipped_streams": skipped}
+
+
+# ------------------------------------------------------------------------------------ driver
+
+PARTS = {"decoder": part_decoder, "backend": part_backend, "engine": part_engine}
+
+
+def make_assets(tmp: Path, plan: Plan, device: str, reuse: str | None) -> dict[str, Any]:
+    """Tokenizer (the test model's: real Orpheus ids), SNAC of the plan's size and the random Llama."""
+    from orpheus_tts_plugin.testmodel import make_test_model
+
+    if reuse is None:
+        make_test_model(tmp, snac=plan.snac)
+        reuse = str(tmp)
+    return {"tokenizer": f"{reuse}/orpheus", "snac": f"{reuse}/snac", "llama": build_llama(plan, device)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on any device: seconds (CI)")
+    p.add_argument("--out", default="gpu-bench.json")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--budget-s", type=float, default=540.0, help="whole run, setup included")
+    p.add_argument("--parts", default=",".join(PARTS), help="comma list of decoder, backend, engine")
+    p.add_argument("--assets", default=None, help="an `orpheus-tts make-test-model` dir to reuse (SNAC, tokenizer)")
+    args = p.parse_args(argv)
+    plan = SMOKE if args.smoke else Plan()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    clock = Clock(args.budget_s)
+    result: dict[str, Any] = {"bench": "gpu", "meta": run_metadata(), "smoke": args.smoke, "device": device}
+    result["plan"] = asdict(plan)
+    errors: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        assets = make_assets(Path(tmp), plan, device, args.assets)
+        result["setup_s"] = time.monotonic() - clock.start
+        budgets = dict(plan.budgets_s)
+        for name in args.parts.split(","):
+            clock.begin(budgets[name])
+            t = time.monotonic()
+            try:
+                result[name] = PARTS[name](assets, plan, clock, device)
+            except Exception:  # noqa: BLE001 - one broken part must not lose the others' figures
+                errors.append(f"{name}: {traceback.format_exc()}")
+                result[name] = {"error": traceback.format_exc(limit=-3)}
+            result[name]["elapsed_s"] = time.monotonic() - t
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+    result["elapsed_s"] = time.monotonic() - clock.start
+    result["errors"] = errors
+    _print(result)
+    write_json(result, args.out)
+    print(f"wrote {args.out} in {result['elapsed_s']:.0f} s" + (f"; {len(errors)} part(s) failed" if errors else ""))
+    for e in errors:
+        print(e, file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _print(result: dict[str, Any]) -> None:
+    """Each part's table (the engine's in `bench engine`'s columns)."""
+    from orpheus_tts_plugin.bench_figures import COLUMNS
+
+    for name in PARTS:
+        part = result.get(name, {})
+        rows = part.get("rows") or part.get("points")
+        if rows:
+            print(f"\n({name})")
+            print_rows(rows, COLUMNS if name == "engine" else {k: k for r in rows for k in r})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

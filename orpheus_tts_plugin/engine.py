@@ -362,21 +362,28 @@ class OrpheusEngine:
         `token_log`, if given, receives every generated id, each utterance closed by the
         end-of-speech id: what `orpheus-tts decode` replays to reproduce a generation.
         """
-        voice = self.spec.check_voice(voice)
-        overrides = {
-            k: v
-            for k, v in dict(
-                temperature=temperature,
-                top_p=top_p,
-                repetition_penalty=repetition_penalty,
-                max_tokens=max_tokens,
-                seed=seed,
-            ).items()
-            if v is not None
-        }
-        sampling = replace(self.config.sampling, **overrides).validate()
+        voice, sampling = self.check_options(
+            voice=voice,
+            temperature=temperature,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            max_tokens=max_tokens,
+            seed=seed,
+        )
         pieces = split_sentences(text, self.config.sentence_max_chars)
         return self._synthesize(pieces, voice, sampling, token_log)
+
+    def check_options(
+        self, voice: str | None = None, **sampling: float | int | None
+    ) -> tuple[str | None, SamplingParams]:
+        """The voice and sampling parameters a request would use; ValueError naming what is wrong.
+
+        Sampling values left None take the engine's defaults. Adapters call this when options
+        change, so that bad input fails there and then rather than in the middle of a call.
+        """
+        voice = self.spec.check_voice(voice)
+        overrides = {k: v for k, v in sampling.items() if v is not None}
+        return voice, replace(self.config.sampling, **overrides).validate()
 
     async def _synthesize(
         self, pieces: list[str], voice: str | None, sampling: SamplingParams, token_log: list[int] | None

@@ -18,7 +18,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from livekit.agents import (
@@ -54,7 +54,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NUM_CHANNELS = 1
-# Files that transformers and SNAC load from a hub repo (weights, configs, tokenizer).
 _used_configs: dict[EngineConfig, None] = {}  # configs this process builds engines from, for download_files()
 _used_lock = threading.Lock()
 
@@ -84,9 +83,7 @@ class _Options:
 
     def checked(self, engine: OrpheusEngine) -> _Options:
         """Raise ValueError now (not mid-call) for a voice or sampling value the engine would refuse."""
-        engine.spec.check_voice(self.voice)
-        sampling = {f.name: v for f in fields(self) if f.name != "voice" and (v := getattr(self, f.name)) is not None}
-        replace(engine.config.sampling, **sampling).validate()
+        engine.check_options(**asdict(self))
         return self
 
 

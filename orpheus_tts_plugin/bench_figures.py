@@ -77,21 +77,27 @@ def _percentiles_ms(values: list[float]) -> dict[str, float | None]:
     return {"ttfb_p50_ms": p50, "ttfb_p95_ms": p95, "ttfb_p99_ms": p99, "ttfb_max_ms": max(values) * 1e3}
 
 
+def _share(flags: list[bool]) -> float:
+    return sum(flags) / len(flags) if flags else 0.0
+
+
 def summarize(records: list[Utterance], wall_s: float, cpu_s: float, tokens: int, sla_ms: float) -> dict[str, Any]:
     """The figures of one sweep point; `realtime` is whether it meets the capacity criteria."""
-    plays = [play(r.chunks, None if r.complete else r.ended) for r in records if not r.rejected]
+    heard = [r for r in records if not r.rejected]
+    plays = [play(r.chunks, None if r.complete else r.ended) for r in heard]
     done = [r for r in records if r.complete]
     audio_s = sum(p.audio_s for p in plays)
-    busy_s = sum(r.ended - r.requested for r in records if r.ended is not None and not r.rejected)
+    busy_s = sum(r.ended - r.requested for r in heard if r.ended is not None)
     rtf = [(r.ended - r.requested) / (sum(n for _, n in r.chunks) / SAMPLE_RATE) for r in done if r.chunks]
     concurrency = busy_s / wall_s if wall_s > 0 else 0.0
     cores = cpu_s / wall_s if wall_s > 0 else 0.0
     out: dict[str, Any] = {
         "utterances": len(done),
-        "incomplete": sum(not r.complete and not r.rejected for r in records),
+        "incomplete": len(heard) - len(done),
         "rejected": sum(r.rejected for r in records),
         **_percentiles_ms([t for r in records if (t := r.ttfb_s) is not None]),
-        "underrun_rate": sum(p.underruns > 0 for p in plays) / len(plays) if plays else 0.0,
+        "underrun_rate": _share([p.underruns > 0 for p in plays]),
+        "failed_rate": _share([p.underruns > 0 or not r.complete for p, r in zip(plays, heard)]),  # what plots show
         "underruns": sum(p.underruns for p in plays),
         "underrun_s": sum(p.underrun_s for p in plays),
         "stall_ratio": sum(p.underrun_s for p in plays) / audio_s if audio_s else 0.0,
@@ -143,7 +149,8 @@ COLUMNS = {
     "concurrency": "N",
     "rate_per_s": "arrivals/s",
     "mean_concurrency": "mean N",
-    "utterances": "utts",
+    "utterances": "done",
+    "incomplete": "unfinished",
     "ttfb_p50_ms": "ttfb p50",
     "ttfb_p95_ms": "p95",
     "ttfb_p99_ms": "p99 ms",
@@ -157,7 +164,10 @@ COLUMNS = {
 
 
 def write_plots(result: dict[str, Any], json_path: str) -> list[str]:
-    """One PNG per traffic pattern beside `json_path`: TTFB percentiles and underrun rate against concurrency."""
+    """One PNG per traffic pattern beside `json_path`: TTFB percentiles and failed utterances against concurrency.
+
+    Failed: an underrun, or not finished by the end of the point (which may never have started to play).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,16 +189,18 @@ def write_plots(result: dict[str, Any], json_path: str) -> list[str]:
             for q, style in (("p50", "-"), ("p95", "--"), ("p99", ":")):
                 y = [np.nan if p[f"ttfb_{q}_ms"] is None else p[f"ttfb_{q}_ms"] for p in rows]
                 ax_t.plot(x, y, style, color=color, marker="o", ms=3, label=f"{scheme} {q}")
-            ax_u.plot(x, [100 * p["underrun_rate"] for p in rows], "-o", color=color, ms=3, label=scheme)
+            ax_u.plot(x, [100 * p["failed_rate"] for p in rows], "-o", color=color, ms=3, label=scheme)
             cap = result["capacity"][traffic][scheme]["streams"]
             if cap:
                 ax_u.axvline(cap, color=color, lw=0.8, alpha=0.6)
         ax_t.axhline(sla, color="grey", lw=0.8, label=f"SLA p95 {sla:g} ms")
         ax_t.set(xlabel="concurrent streams", ylabel="time to first byte (ms)", yscale="log")
-        ax_u.set(xlabel="concurrent streams", ylabel="utterances with an underrun (%)", ylim=(-3, 103))
+        ax_u.set(xlabel="concurrent streams", ylabel="underrun or unfinished (%)", ylim=(-3, 103))
+        levels = sorted({p["concurrency"] for p in points})
         for ax in (ax_t, ax_u):
             if span >= 8:
                 ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [f"{v:g}" for v in levels])
             ax.grid(alpha=0.3)
         ax_t.legend(fontsize=7)
         ax_u.legend(fontsize=7, title="vertical: capacity", title_fontsize=7)

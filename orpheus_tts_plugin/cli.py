@@ -127,7 +127,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     else:
         result = bench.bench_overhead(streams=args.streams, frames=args.frames, rate=args.rate, loops=args.loops)
     bench.print_table(result)
-    bench.write_json(result, args.json)
+    bench.write_json({**result, "meta": bench.run_metadata()}, args.json)
     return 0
 
 

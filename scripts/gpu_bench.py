@@ -38,11 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def _bootstrap() -> None:
     """Import this checkout and, if snac/einops are missing, the wheels that travelled with it."""
     sys.path.insert(0, str(ROOT))
-    for name in ("snac", "einops"):
-        try:
-            __import__(name)
-        except ImportError:
-            sys.path.extend(str(w) for w in sorted((ROOT / "wheels").glob("*.whl")))
+    try:
+        import einops  # noqa: F401
+        import snac  # noqa: F401
+    except ImportError:
+        sys.path.extend(str(w) for w in sorted((ROOT / "wheels").glob("*.whl")))
 
 
 _bootstrap()

@@ -52,7 +52,7 @@ def test_summary_of_a_constructed_point() -> None:
     point = summarize([ok, starved], wall_s=1.0, cpu_s=0.5, tokens=166, sla_ms=1000.0)
     assert point["utterances"] == 2 and point["incomplete"] == 0
     assert point["ttfb_p50_ms"] == pytest.approx(200.0)
-    assert point["underrun_rate"] == 0.5 and point["underruns"] == 1
+    assert point["underrun_rate"] == point["failed_rate"] == 0.5 and point["underruns"] == 1
     assert point["underrun_s"] == pytest.approx(0.2)
     assert point["audio_s"] == pytest.approx(3.0)
     assert point["mean_concurrency"] == pytest.approx(1.5)
@@ -62,6 +62,16 @@ def test_summary_of_a_constructed_point() -> None:
     assert point["realtime"] is True
     assert summarize([ok], wall_s=1.0, cpu_s=0.5, tokens=166, sla_ms=50.0)["realtime"] is False  # over the SLA
     assert summarize([], wall_s=1.0, cpu_s=0.0, tokens=0, sla_ms=50.0)["realtime"] is None  # no evidence
+
+
+def test_an_utterance_cut_off_before_its_first_byte_fails_the_point_without_an_underrun() -> None:
+    ok = Utterance(0, requested=0.0, chunks=[(0.1, SECOND)], ended=0.2, complete=True)
+    cut = Utterance(1, requested=0.0, ended=3.0)  # cancelled at the end of the point, never heard
+    point = summarize([ok, cut], wall_s=3.0, cpu_s=0.5, tokens=100, sla_ms=10_000.0)
+    assert (point["utterances"], point["incomplete"], point["underruns"]) == (1, 1, 0)
+    assert point["failed_rate"] == 0.5 and point["underrun_rate"] == 0.0
+    assert point["ttfb_max_ms"] == pytest.approx(3000.0)  # its wait counts, as a lower bound
+    assert point["realtime"] is False
 
 
 # ------------------------------------------------------------------------------------ capacity
@@ -149,7 +159,7 @@ def test_bench_engine_synthetic_sweep_writes_figures_and_plots(tmp_path: Path, t
         (t, s, n) for t in ("constant", "variable") for s in ("project", "reference") for n in (1.0, 3.0)
     }
     for p in points:
-        for key in ("ttfb_p50_ms", "ttfb_p95_ms", "ttfb_p99_ms", "underrun_rate", "underrun_s", "rtf_p50"):
+        for key in ("ttfb_p50_ms", "ttfb_p95_ms", "ttfb_p99_ms", "underrun_rate", "failed_rate", "rtf_p50"):
             assert key in p
         assert p["host_cpu_cores"] > 0 and p["tokens_per_s"] >= 0 and p["incomplete"] == 0
     for p in (p for p in points if p["traffic"] == "constant"):

@@ -140,6 +140,37 @@ class DecodeState:
         return self.pending_frames >= need
 
 
+@dataclass
+class _Batch:
+    """One batched decoder call: B utterances, each with a chunk padded to n frames."""
+
+    states: list[DecodeState]
+    frames: np.ndarray  # (B, n, 7) codes; flush padding past a chunk's frames
+    frames_before: np.ndarray  # (B,) frames each utterance had decoded before this call
+    end_frames: np.ndarray  # (B,) frames in the utterance where its end is in this call, else a huge number
+    start: np.ndarray  # (B,) absolute sample position of the call's first output sample
+    total: np.ndarray  # (B,) utterance length in samples where it ends in this call, else -1
+    need_mask: bool  # some input lies outside its utterance (start or end)
+
+    @classmethod
+    def of(cls, states: list[DecodeState], chunks: list[np.ndarray], n: int, latency: int, warmup: int) -> _Batch:
+        frames = np.zeros((len(states), n, 7), dtype=np.int64)
+        for row, chunk in enumerate(chunks):
+            frames[row, : len(chunk)] = chunk
+        fb = np.array([st.frames_in for st in states], dtype=np.int64)
+        m = np.array([len(c) for c in chunks], dtype=np.int64)
+        final = np.array([st.final for st in states])
+        return cls(
+            states=states,
+            frames=frames,
+            frames_before=fb,
+            end_frames=np.where(final, fb + m, np.iinfo(np.int64).max // (4 * SAMPLES_PER_FRAME)),
+            start=fb * SAMPLES_PER_FRAME - latency,
+            total=np.where(final, (fb + m) * SAMPLES_PER_FRAME, -1),
+            need_mask=bool(final.any() or fb.min() < warmup),
+        )
+
+
 class _Step:
     """What one batched call knows about its rows: positions, utterance ends, layer buffers."""
 
@@ -369,56 +400,38 @@ class StreamingDecoder:
         return out
 
     def _decode_group(self, states: list[DecodeState], chunks: list[np.ndarray], n: int) -> list[np.ndarray]:
-        frames = np.zeros((len(states), n, 7), dtype=np.int64)
-        for row, chunk in enumerate(chunks):
-            frames[row, : len(chunk)] = chunk
-        fb = np.array([st.frames_in for st in states], dtype=np.int64)
-        m = np.array([len(c) for c in chunks], dtype=np.int64)
-        final = np.array([st.final for st in states])
-        end = np.where(final, fb + m, np.iinfo(np.int64).max // (4 * SAMPLES_PER_FRAME))
-        start = fb * SAMPLES_PER_FRAME - self.latency_samples
-        total = np.where(final, (fb + m) * SAMPLES_PER_FRAME, -1)
-        need_mask = bool(final.any() or fb.min() < self.warmup_frames)
-        pcm, buffers = self._run(frames, fb, end, need_mask, states, start, total)
+        batch = _Batch.of(states, chunks, n, self.latency_samples, self.warmup_frames)
+        pcm, buffers = self._run(batch)
         self.calls += 1
         self.rows += len(states)
         self.frames += n * len(states)
         self.calls_by_chunk[n] = self.calls_by_chunk.get(n, 0) + 1
         out: list[np.ndarray] = []
         for row, st in enumerate(states):
-            lo = max(0, -int(start[row]))
-            hi = int(total[row] - start[row]) if final[row] else n * SAMPLES_PER_FRAME
+            lo = max(0, -int(batch.start[row]))
+            hi = int(batch.total[row] - batch.start[row]) if st.final else n * SAMPLES_PER_FRAME
             hi = max(lo, min(hi, n * SAMPLES_PER_FRAME))
             out.append(pcm[row, lo:hi])
-            st.frames_in += int(m[row])
+            st.frames_in += len(chunks[row])
             st.samples_out += hi - lo
             st.buffers = None if st.final else [b[row : row + 1] for b in buffers]
         return out
 
-    def _run(
-        self,
-        frames: np.ndarray,
-        fb: np.ndarray,
-        end: np.ndarray,
-        need_mask: bool,
-        states: list[DecodeState],
-        start: np.ndarray,
-        total: np.ndarray,
-    ) -> tuple[np.ndarray, list[Tensor]]:
-        """Run the layers on (B, n, 7) frames: int16 audio (B, n·2048), faded, and the new layer buffers."""
+    def _run(self, batch: _Batch) -> tuple[np.ndarray, list[Tensor]]:
+        """Run the layers on the batch's frames: int16 audio (B, n·2048), faded, and the new layer buffers."""
         device, dtype = self.device, next(self.snac.parameters()).dtype
-        for st in states:
+        for st in batch.states:
             if st.buffers is None:
                 st.buffers = [torch.zeros(1, c, k, device=device, dtype=dtype) for c, k in self._shapes()]
-        buffers = [torch.cat(col) for col in zip(*(st.buffers for st in states))]
-        codes = [torch.from_numpy(c).to(device) for c in frames_to_levels(frames)]
+        buffers = [torch.cat(col) for col in zip(*(st.buffers for st in batch.states))]
+        codes = [torch.from_numpy(c).to(device) for c in frames_to_levels(batch.frames)]
         x = self.snac.quantizer.from_codes(codes)
-        fb_t, end_t = torch.from_numpy(fb).to(device), torch.from_numpy(end).to(device)
-        step = _Step(fb_t, end_t, buffers, need_mask)
+        fb, end = torch.from_numpy(batch.frames_before).to(device), torch.from_numpy(batch.end_frames).to(device)
+        step = _Step(fb, end, buffers, batch.need_mask)
         for layer in self.layers:
             x = layer(x, step)
-        audio = fade_edges(torch.tanh(x[:, 0]), torch.from_numpy(start).to(device), torch.from_numpy(total).to(device))
-        return to_int16(audio).cpu().numpy(), step.buffers_out
+        start, total = torch.from_numpy(batch.start).to(device), torch.from_numpy(batch.total).to(device)
+        return to_int16(fade_edges(torch.tanh(x[:, 0]), start, total)).cpu().numpy(), step.buffers_out
 
     def _shapes(self) -> list[tuple[int, int]]:
         return [s for layer in self.layers for s in layer.buffer_shapes()]
@@ -442,17 +455,8 @@ class NullDecoder(StreamingDecoder):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    def _run(
-        self,
-        frames: np.ndarray,
-        fb: np.ndarray,
-        end: np.ndarray,
-        need_mask: bool,
-        states: list[DecodeState],
-        start: np.ndarray,
-        total: np.ndarray,
-    ) -> tuple[np.ndarray, list[Tensor]]:
-        return np.zeros((len(states), frames.shape[1] * SAMPLES_PER_FRAME), dtype=np.int16), []
+    def _run(self, batch: _Batch) -> tuple[np.ndarray, list[Tensor]]:
+        return np.zeros((len(batch.states), batch.frames.shape[1] * SAMPLES_PER_FRAME), dtype=np.int16), []
 
 
 # Look-ahead of the SNAC 24 kHz decoder in samples (what StreamingDecoder measures from its layers).

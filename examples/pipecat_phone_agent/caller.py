@@ -1,0 +1,338 @@
+"""Simulated caller: speaks the Twilio Media Streams protocol over a real WebSocket, like Twilio does for a call.
+
+It streams 8 kHz μ-law in 20 ms media messages in real time (silence between utterances), plays the
+agent's audio through a model of Twilio's playout buffer (a `clear` drops what is not yet played),
+records both sides to a stereo WAV (left: caller, right: agent as heard), and measures:
+
+- greeting: WebSocket open → first agent audio;
+- each turn: end of the caller's speech → first agent audio;
+- barge-in (the caller talks over the answer): → `clear`, → last agent audio of the interrupted turn,
+  and how much agent audio arrived after the `clear` before the caller finished (should be none).
+
+    python -m examples.pipecat_phone_agent.caller ws://127.0.0.1:8765/ws --calls 4 --out out/calls
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import statistics
+import sys
+import uuid
+import wave
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import websockets
+
+from . import mulaw
+
+PACKET_S = mulaw.PACKET_BYTES / mulaw.RATE
+
+
+@dataclass(frozen=True)
+class CallScript:
+    """What the caller does: wait for the greeting, ask, barge in on the answer, hear the reply, hang up."""
+
+    question: bytes  # 8 kHz μ-law
+    barge_in: bytes
+    barge_in_after_s: float = 1.0  # agent audio heard before the caller talks over it
+    idle_s: float = 1.5  # agent silence that means it finished talking
+    listen_s: float = 2.0  # how long to hear the last reply before hanging up
+    timeout_s: float = 60.0  # longest wait for any agent reaction
+
+
+@dataclass
+class _Utterance:
+    packets: deque[bytes]
+    done: asyncio.Future[tuple[float, float]]
+    start: float | None = None
+
+
+@dataclass
+class Line:
+    """The caller's end of one media stream: a real-time microphone, a playout buffer, a log of events."""
+
+    ws: Any
+    stream_sid: str = field(default_factory=lambda: "MZ" + uuid.uuid4().hex)
+    call_sid: str = field(default_factory=lambda: "CA" + uuid.uuid4().hex)
+    t0: float = 0.0
+    sent: bytearray = field(default_factory=bytearray)  # the caller's channel, one packet per 20 ms since t0
+    media: list[tuple[float, bytes]] = field(default_factory=list)  # agent audio: (arrival time, μ-law)
+    heard: list[list[Any]] = field(default_factory=list)  # playout: [start time, μ-law], cut by `clear`
+    clears: list[float] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (time, what) of the caller's actions
+    play_until: float = 0.0
+    _sequence: int = 0
+    _queue: deque[_Utterance] = field(default_factory=deque)
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    @staticmethod
+    def now() -> float:
+        return asyncio.get_running_loop().time()
+
+    # ------------------------------------------------------------ protocol
+    async def open(self) -> None:
+        """Send Twilio's `connected` and `start` messages, then stream the microphone and listen."""
+        start = {
+            "streamSid": self.stream_sid,
+            "accountSid": "AC" + "0" * 32,
+            "callSid": self.call_sid,
+            "tracks": ["inbound"],
+            "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": mulaw.RATE, "channels": 1},
+            "customParameters": {},
+        }
+        await self.ws.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
+        await self._send("start", start=start)
+        self.t0 = self.play_until = self.now()
+        self._tasks = [asyncio.create_task(self._microphone()), asyncio.create_task(self._listen())]
+
+    async def hang_up(self) -> None:
+        """Send `stop` and close, as Twilio does when the caller hangs up."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        stop = {"accountSid": "AC" + "0" * 32, "callSid": self.call_sid}
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await self._send("stop", stop=stop)
+        await self.ws.close()
+
+    async def _send(self, event: str, **fields: Any) -> None:
+        """One Media Streams message, numbered like Twilio's."""
+        self._sequence += 1
+        message = {"event": event, "sequenceNumber": str(self._sequence), **fields, "streamSid": self.stream_sid}
+        await self.ws.send(json.dumps(message))
+
+    async def _microphone(self) -> None:
+        """One 20 ms media message per tick of a real-time clock: queued speech, else silence."""
+        n = 0
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, self.t0 + n * PACKET_S - self.now()))
+                packet = self._next_packet()
+                media = {"track": "inbound", "chunk": str(n + 1), "timestamp": str(n * 20)}
+                await self._send("media", media={**media, "payload": base64.b64encode(packet).decode()})
+                self.sent += packet
+                n += 1
+                self._utterance_sent()
+        except websockets.ConnectionClosed:
+            for utterance in self._queue:
+                utterance.done.set_exception(ConnectionError("the agent closed the media stream"))
+
+    def _next_packet(self) -> bytes:
+        if not self._queue:
+            return mulaw.silence(PACKET_S)
+        utterance = self._queue[0]
+        if utterance.start is None:
+            utterance.start = self.now()
+        return utterance.packets.popleft()
+
+    def _utterance_sent(self) -> None:
+        if self._queue and not self._queue[0].packets:
+            utterance = self._queue.popleft()
+            utterance.done.set_result((utterance.start, self.now()))
+
+    async def _listen(self) -> None:
+        async for raw in self.ws:
+            message, now = json.loads(raw), self.now()
+            if message.get("event") == "media":
+                self._play(now, base64.b64decode(message["media"]["payload"]))
+            elif message.get("event") == "clear":
+                self._clear(now)
+
+    # ------------------------------------------------------------ playout (Twilio's buffer)
+    def _play(self, now: float, payload: bytes) -> None:
+        self.media.append((now, payload))
+        start = max(now, self.play_until)
+        self.heard.append([start, payload])
+        self.play_until = start + len(payload) / mulaw.RATE
+
+    def _clear(self, now: float) -> None:
+        """Drop the agent audio not yet played, as Twilio does on `clear`."""
+        self.clears.append(now)
+        self.heard = [seg for seg in self.heard if seg[0] < now]
+        for seg in self.heard:
+            seg[1] = seg[1][: max(0, round((now - seg[0]) * mulaw.RATE))]
+        self.play_until = min(self.play_until, now)
+
+    # ------------------------------------------------------------ caller actions
+    async def say(self, ulaw: bytes) -> tuple[float, float]:
+        """Speak in real time; returns when the last packet is sent, with (start, end) times."""
+        packets = deque(ulaw[i : i + mulaw.PACKET_BYTES] for i in range(0, len(ulaw), mulaw.PACKET_BYTES))
+        if len(packets[-1]) < mulaw.PACKET_BYTES:
+            packets[-1] += mulaw.silence((mulaw.PACKET_BYTES - len(packets[-1])) / mulaw.RATE)
+        if self._tasks[0].done():
+            raise ConnectionError("the agent closed the media stream")
+        utterance = _Utterance(packets, asyncio.get_running_loop().create_future())
+        self._queue.append(utterance)
+        start, end = await utterance.done
+        self.events += [(start, "caller speaks"), (end, "caller stops")]
+        return start, end
+
+    async def wait(self, condition: Callable[[], Any], timeout: float, what: str) -> Any:
+        """Poll `condition()` until it returns something truthy."""
+        deadline = self.now() + timeout
+        while not (result := condition()):
+            if self.now() > deadline:
+                raise TimeoutError(f"no {what} within {timeout:.0f} s")
+            await asyncio.sleep(0.005)
+        return result
+
+    async def first_audio_after(self, t: float, timeout: float) -> float:
+        """Arrival time of the first agent audio after `t`."""
+        return await self.wait(lambda: next((a for a, _ in self.media if a > t), None), timeout, "agent audio")
+
+    async def agent_idle(self, idle_s: float, timeout: float) -> None:
+        """Wait until the agent has been silent (nothing playing, nothing arriving) for `idle_s`."""
+        await self.wait(lambda: self.now() - max(self.play_until, self.media[-1][0]) >= idle_s, timeout, "pause")
+
+    # ------------------------------------------------------------ results
+    def audio_seconds(self, start: float, end: float) -> float:
+        """Seconds of agent audio that arrived in (start, end]."""
+        return sum(len(p) for a, p in self.media if start < a <= end) / mulaw.RATE
+
+    def timeline(self, gap_s: float = 0.2) -> list[list[Any]]:
+        """[ms since open, what] for caller speech, `clear`s and agent audio bursts (arrivals < gap_s apart)."""
+        items = [(t, what) for t, what in self.events] + [(t, "clear") for t in self.clears]
+        burst_start = prev = None
+        for arrival, _ in self.media:
+            if prev is None or arrival - prev > gap_s:
+                if burst_start is not None:
+                    items.append((burst_start, f"agent audio until {_ms(prev - self.t0)}"))
+                burst_start = arrival
+            prev = arrival
+        if burst_start is not None:
+            items.append((burst_start, f"agent audio until {_ms(prev - self.t0)}"))
+        return [[_ms(t - self.t0), what] for t, what in sorted(items)]
+
+    def write_wav(self, path: Path) -> None:
+        """Stereo 8 kHz: left what the caller said, right the agent as the caller heard it."""
+        caller = mulaw.decode(bytes(self.sent))
+        agent = np.zeros(max(caller.size, round((self.play_until - self.t0) * mulaw.RATE) + 1), dtype=np.int16)
+        for start, payload in self.heard:
+            pcm = mulaw.decode(payload)
+            at = round((start - self.t0) * mulaw.RATE)
+            agent[at : at + pcm.size] = pcm[: agent.size - at]
+        stereo = np.zeros((agent.size, 2), dtype=np.int16)
+        stereo[: caller.size, 0] = caller
+        stereo[:, 1] = agent
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with wave.open(str(path), "wb") as w:
+            w.setnchannels(2)
+            w.setsampwidth(2)
+            w.setframerate(mulaw.RATE)
+            w.writeframes(stereo.tobytes())
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 1)
+
+
+async def place_call(url: str, script: CallScript, wav_path: Path) -> dict[str, Any]:
+    """One scripted call; returns its report (with `error` set if the agent failed to react in time)."""
+    report: dict[str, Any] = {"wav": str(wav_path), "turns": [], "barge_in": None, "error": None}
+    async with websockets.connect(url, max_size=None) as ws:
+        line = Line(ws)
+        report["stream_sid"] = line.stream_sid
+        try:
+            await _converse(line, script, report)
+        except (TimeoutError, ConnectionError) as exc:
+            report["error"] = str(exc)
+        finally:
+            await line.hang_up()
+    line.write_wav(wav_path)
+    report["agent_audio_received_s"] = round(line.audio_seconds(line.t0, float("inf")), 3)
+    report["timeline_ms"] = line.timeline()
+    return report
+
+
+async def _converse(line: Line, script: CallScript, report: dict[str, Any]) -> None:
+    await line.open()
+    greeting = await line.first_audio_after(line.t0, script.timeout_s)
+    report["greeting_ms"] = _ms(greeting - line.t0)
+    await line.agent_idle(script.idle_s, script.timeout_s)
+
+    _, asked = await line.say(script.question)
+    answer = await line.first_audio_after(asked, script.timeout_s)
+    report["turns"].append({"said": "question", "speech_end_to_agent_audio_ms": _ms(answer - asked)})
+
+    await asyncio.sleep(max(0.0, answer + script.barge_in_after_s - line.now()))
+    barge, barge_end = await line.say(script.barge_in)
+    clear = next((c for c in line.clears if c > barge), None)
+    last = max((a for a, _ in line.media if barge < a <= barge_end), default=None)
+    report["barge_in"] = {
+        "agent_audio_heard_before_ms": _ms(barge - answer),
+        "to_clear_ms": _ms(clear - barge) if clear else None,
+        "to_last_agent_audio_ms": _ms(last - barge) if last else None,
+        "agent_audio_after_clear_ms": _ms(line.audio_seconds(clear, barge_end)) if clear else None,
+    }
+
+    reply = await line.first_audio_after(barge_end, script.timeout_s)
+    report["turns"].append({"said": "barge_in", "speech_end_to_agent_audio_ms": _ms(reply - barge_end)})
+    await asyncio.sleep(script.listen_s)
+
+
+async def run_calls(url: str, script: CallScript, out_dir: Path, calls: int = 4, stagger_s: float = 0.25) -> dict:
+    """`calls` concurrent scripted calls (started `stagger_s` apart); the report of all of them."""
+
+    async def one(i: int) -> dict[str, Any]:
+        await asyncio.sleep(i * stagger_s)
+        return {"call": i, **await place_call(url, script, out_dir / f"call-{i}.wav")}
+
+    results = await asyncio.gather(*(one(i) for i in range(calls)))
+    return {"calls": results, "summary": summarize(results)}
+
+
+def summarize(calls: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """min / median / max of every latency across calls."""
+    series: dict[str, list[float]] = {
+        "greeting_ms": [c.get("greeting_ms") for c in calls],
+        "speech_end_to_agent_audio_ms": [t["speech_end_to_agent_audio_ms"] for c in calls for t in c["turns"]],
+    }
+    for key in ("to_clear_ms", "to_last_agent_audio_ms", "agent_audio_after_clear_ms"):
+        series[f"barge_in_{key}"] = [(c["barge_in"] or {}).get(key) for c in calls]
+    out = {}
+    for key, values in series.items():
+        values = [v for v in values if v is not None]
+        if values:
+            out[key] = {"n": len(values), "min": min(values), "median": statistics.median(values), "max": max(values)}
+    return out
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    print(f"{'latency (ms)':<40}{'n':>4}{'min':>9}{'median':>9}{'max':>9}")
+    for key, s in report["summary"].items():
+        print(f"{key:<40}{s['n']:>4}{s['min']:>9.0f}{s['median']:>9.0f}{s['max']:>9.0f}")
+    for call in report["calls"]:
+        if call["error"]:
+            print(f"call {call['call']}: {call['error']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .make_fixtures import load_fixtures
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("url", help="the agent's media stream WebSocket, e.g. ws://127.0.0.1:8765/ws")
+    parser.add_argument("--calls", type=int, default=4)
+    parser.add_argument("--fixtures", default="out/phone-agent/fixtures", help="made by make_fixtures if missing")
+    parser.add_argument("--out", default="out/phone-agent/calls")
+    args = parser.parse_args(argv)
+    lines = load_fixtures(args.fixtures)
+    script = CallScript(question=lines["question"], barge_in=lines["barge_in"])
+    out = Path(args.out)
+    report = asyncio.run(run_calls(args.url, script, out, calls=args.calls))
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print_summary(report)
+    print(f"report: {out / 'report.json'}; recordings: {out}/call-*.wav")
+    return 0 if all(c["error"] is None for c in report["calls"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

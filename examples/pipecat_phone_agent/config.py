@@ -1,0 +1,93 @@
+"""Phone agent settings: server, stage choices (real or offline), voice, and the shared Orpheus engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from orpheus_tts_plugin import EngineConfig, SyntheticConfig
+
+GREETING = "Hello, thanks for calling. How can I help you today?"
+SYSTEM_PROMPT = (
+    "You are a friendly receptionist answering the phone. Your replies are spoken aloud, so answer in one "
+    "to three short sentences of plain text, with no lists, markdown or emoji."
+)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything one phone agent server needs; every call shares one engine and one STT worker pool."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    public_url: str | None = None  # wss://…/ws that Twilio should connect to; default: from the request's Host
+    stt: str = "pocketsphinx"  # pocketsphinx (offline) | whisper (Pipecat's faster-whisper service)
+    stt_workers: int = 2  # pocketsphinx decoder processes
+    whisper_model: str = "Systran/faster-distil-whisper-medium.en"
+    whisper_device: str = "cuda"
+    llm: str = "offline"  # offline (the offline responder) | openai (any OpenAI-compatible server)
+    llm_base_url: str = "http://127.0.0.1:8000/v1"
+    llm_model: str = "meta-llama/Llama-3.2-3B-Instruct"
+    llm_api_key: str = "none"
+    voice: str = "tara"
+    max_tokens: int | None = None  # cap on audio tokens per sentence (about 82 per second of speech)
+    greeting: str = GREETING
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = AgentConfig()
+    e = d.engine
+    p = argparse.ArgumentParser(description="Pipecat phone agent (Twilio Media Streams) speaking with Orpheus TTS")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--public-url", default=d.public_url, help="wss:// URL of /ws for the TwiML answer")
+    p.add_argument("--stt", choices=("pocketsphinx", "whisper"), default=d.stt)
+    p.add_argument("--stt-workers", type=int, default=d.stt_workers, help="pocketsphinx decoder processes")
+    p.add_argument("--whisper-model", default=d.whisper_model)
+    p.add_argument("--whisper-device", default=d.whisper_device)
+    p.add_argument("--llm", choices=("offline", "openai"), default=d.llm, help="offline: the offline responder")
+    p.add_argument("--llm-base-url", default=os.environ.get("LLM_BASE_URL", d.llm_base_url))
+    p.add_argument("--llm-model", default=os.environ.get("LLM_MODEL", d.llm_model))
+    p.add_argument("--voice", default=d.voice)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="audio tokens per sentence at most")
+    p.add_argument("--greeting", default=d.greeting)
+    g = p.add_argument_group("Orpheus engine")
+    g.add_argument("--model", default=e.model, help="hub id or local dir; 'none' with --backend synthetic")
+    g.add_argument("--snac", default=e.snac)
+    g.add_argument("--backend", default=e.backend, help="hf | trtllm | vllm | remote | synthetic")
+    g.add_argument("--device", default=e.device)
+    g.add_argument("--max-streams", type=int, default=e.max_streams)
+    g.add_argument("--synthetic-rate", type=float, default=0.0, help="synthetic backend: tokens/s per stream")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> AgentConfig:
+    """AgentConfig from command-line arguments (LLM_BASE_URL, LLM_MODEL, OPENAI_API_KEY from the environment)."""
+    a = build_parser().parse_args(argv)
+    engine = EngineConfig(
+        model=None if a.model in (None, "none") else a.model,
+        snac=a.snac,
+        backend=a.backend,
+        device=a.device,
+        max_streams=a.max_streams,
+        synthetic=SyntheticConfig(tokens_per_second=a.synthetic_rate),
+    )
+    return AgentConfig(
+        host=a.host,
+        port=a.port,
+        public_url=a.public_url,
+        stt=a.stt,
+        stt_workers=a.stt_workers,
+        whisper_model=a.whisper_model,
+        whisper_device=a.whisper_device,
+        llm=a.llm,
+        llm_base_url=a.llm_base_url,
+        llm_model=a.llm_model,
+        llm_api_key=os.environ.get("OPENAI_API_KEY", "none"),
+        voice=a.voice,
+        max_tokens=a.max_tokens,
+        greeting=a.greeting,
+        engine=engine,
+    )

@@ -1,0 +1,104 @@
+"""The example phone agent: its offline parts, and 4 simulated Twilio calls at once against one server and engine."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soxr
+from pipecat.frames.frames import LLMContextFrame, LLMFullResponseEndFrame, LLMFullResponseStartFrame, LLMTextFrame
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.tests.utils import run_test
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
+
+from examples.pipecat_phone_agent import mulaw  # noqa: E402
+from examples.pipecat_phone_agent.caller import CallScript  # noqa: E402
+from examples.pipecat_phone_agent.demo import run_demo  # noqa: E402
+from examples.pipecat_phone_agent.offline_responder import RULES, OfflineResponder  # noqa: E402
+from examples.pipecat_phone_agent.offline_stt import SAMPLE_RATE, PocketsphinxRecognizer  # noqa: E402
+from examples.pipecat_phone_agent.server import twiml  # noqa: E402
+
+TRANSPORT_CHUNK_MS = 40  # Pipecat's default output chunk: 4 x 10 ms
+needs_espeak = pytest.mark.skipif(
+    shutil.which("espeak-ng") is None, reason="needs espeak-ng (apt-get install espeak-ng)"
+)
+
+
+@pytest.fixture(scope="module")
+def caller_lines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """The caller's speech, made from text by the example's fixture script (espeak-ng)."""
+    from examples.pipecat_phone_agent.make_fixtures import make_fixtures
+
+    return make_fixtures(tmp_path_factory.mktemp("caller-fixtures"))
+
+
+def test_mulaw_round_trip_is_within_g711_quantisation():
+    pcm = np.arange(-32000, 32000, 7, dtype=np.int16)
+    error = np.abs(mulaw.decode(mulaw.encode(pcm)).astype(np.int32) - pcm)
+    assert np.all(error <= np.abs(pcm.astype(np.int32)) // 16 + 12)  # half a step of a 4-bit mantissa per segment
+    assert mulaw.encode(np.zeros(3, dtype=np.int16)) == bytes([mulaw.SILENCE]) * 3
+    assert mulaw.decode(mulaw.encode(np.array([-32768, 32767], dtype=np.int16))).tolist() == [-32124, 32124]
+
+
+def test_twiml_connects_the_call_to_the_media_stream():
+    xml = twiml("wss://agent.example.com/ws")
+    assert '<Connect><Stream url="wss://agent.example.com/ws" /></Connect>' in xml
+
+
+async def test_offline_responder_streams_a_canned_answer_as_llm_text():
+    context = LLMContext([{"role": "user", "content": "what are your opening hours"}])
+    down, _ = await run_test(OfflineResponder(), frames_to_send=[LLMContextFrame(context)])
+    assert isinstance(down[0], LLMFullResponseStartFrame) and isinstance(down[-1], LLMFullResponseEndFrame)
+    tokens = down[1:-1]
+    assert len(tokens) > 5 and all(isinstance(f, LLMTextFrame) for f in tokens)
+    assert "".join(f.text for f in tokens) == RULES[0][1]
+
+
+@needs_espeak
+async def test_pocketsphinx_recognizes_the_callers_question(caller_lines: dict[str, bytes]):
+    pcm = soxr.resample(mulaw.decode(caller_lines["question"]), mulaw.RATE, SAMPLE_RATE).astype(np.int16)
+    recognizer = PocketsphinxRecognizer(workers=1)
+    try:
+        await recognizer.start()
+        text = await recognizer.transcribe(pcm.tobytes())
+    finally:
+        recognizer.close()
+    assert {"what", "your", "opening", "hours"} & set(text.split()), text
+
+
+@needs_espeak
+def test_four_simulated_calls_at_once_hear_the_agent_and_barge_in_clears_its_audio(
+    test_model_dir: Path, caller_lines: dict[str, bytes], tmp_path: Path
+):
+    server_args = [
+        *("--backend", "synthetic", "--model", "none", "--snac", str(test_model_dir / "snac"), "--device", "cpu"),
+        *("--synthetic-rate", "150", "--max-tokens", "300", "--stt", "pocketsphinx", "--llm", "offline"),
+    ]
+    script = CallScript(question=caller_lines["question"], barge_in=caller_lines["barge_in"], timeout_s=30.0)
+    report = run_demo(tmp_path, server_args, calls=4, script=script)
+
+    assert report["server"]["calls"]["total"] == 4
+    engine = report["server"]["engine"]
+    assert engine["active_streams"] == 0
+    assert engine["streams_started"] >= 12  # greeting + answer + reply to the barge-in, in every call
+    for call in report["calls"]:
+        assert call["error"] is None, call
+        assert call["greeting_ms"] is not None
+        assert [t["said"] for t in call["turns"]] == ["question", "barge_in"]
+        assert all(t["speech_end_to_agent_audio_ms"] is not None for t in call["turns"])
+        barge_in = call["barge_in"]
+        assert barge_in["to_clear_ms"] is not None, call["timeline_ms"]  # Twilio `clear` sent
+        # The interrupted turn ends: nothing follows the `clear` while the caller talks, except at most the one
+        # chunk Pipecat's output transport was already writing (it finishes that chunk by design).
+        assert barge_in["agent_audio_after_clear_ms"] <= TRANSPORT_CHUNK_MS, call["timeline_ms"]
+        last = barge_in["to_last_agent_audio_ms"]
+        assert last is None or last <= barge_in["to_clear_ms"] + 250, call["timeline_ms"]
+        with wave.open(call["wav"], "rb") as w:
+            assert (w.getnchannels(), w.getframerate()) == (2, mulaw.RATE)
+            agent = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")[1::2]
+        assert np.count_nonzero(agent) > mulaw.RATE  # more than a second of agent audio heard

@@ -297,8 +297,9 @@ def test_constructor_validates_voice_and_engine_arguments(engine: OrpheusEngine,
 
 
 async def test_services_share_the_process_wide_engine(synthetic_config: EngineConfig):
-    a, b = (OrpheusTTSService(engine_config=synthetic_config) for _ in range(2))
-    shared = OrpheusEngine.shared(synthetic_config)
+    config = replace(synthetic_config, noise_seed=12345)  # a config (so an engine) no other test shares
+    a, b = (OrpheusTTSService(engine_config=config) for _ in range(2))
+    shared = OrpheusEngine.shared(config)
     assert a.engine is b.engine is shared
     try:
         results = await asyncio.gather(*(run(s, [TTSSpeakFrame(TEXT)]) for s in (a, b)))

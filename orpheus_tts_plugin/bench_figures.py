@@ -124,20 +124,23 @@ def summarize(records: list[Utterance], wall_s: float, cpu_s: float, tokens: int
 
 
 def capacity(points: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Real-time capacity per traffic and scheme: the largest concurrency swept before the first failing point.
+    """Real-time capacity per traffic and scheme: the largest swept concurrency whose point passed.
 
-    Conservative on purpose: a pass above a failure is load noise, not capacity. 0 if the smallest fails.
+    `first_failure` is the smallest concurrency that failed: below `streams` it marks a noisy sweep
+    (a pass above a failure), which the docs report rather than hide. Points with no calls are skipped.
     """
     out: dict[str, dict[str, Any]] = {}
     for key in sorted({(p["traffic"], p["scheme"]) for p in points}):
-        best: dict[str, Any] = {"streams": 0, "rate_per_s": None, "mean_concurrency": 0.0}
-        for p in sorted((p for p in points if (p["traffic"], p["scheme"]) == key), key=lambda p: p["concurrency"]):
-            if p["realtime"] is None:
-                continue
-            if not p["realtime"]:
-                break
-            best = {k: p[k] for k in ("rate_per_s", "mean_concurrency")} | {"streams": p["concurrency"]}
-        out.setdefault(key[0], {})[key[1]] = best
+        rows = sorted((p for p in points if (p["traffic"], p["scheme"]) == key), key=lambda p: p["concurrency"])
+        passed = [p for p in rows if p["realtime"]]
+        failed = [p["concurrency"] for p in rows if p["realtime"] is False]
+        best = passed[-1] if passed else {"concurrency": 0, "rate_per_s": None, "mean_concurrency": 0.0}
+        out.setdefault(key[0], {})[key[1]] = {
+            "streams": best["concurrency"],
+            "rate_per_s": best["rate_per_s"],
+            "mean_concurrency": best["mean_concurrency"],
+            "first_failure": failed[0] if failed else None,
+        }
     return out
 
 
@@ -221,6 +224,7 @@ def report(result: dict[str, Any], json_path: str | None) -> None:
         {
             f"capacity {traffic} {scheme}": f"{cap['streams']:g} streams"
             + (f" ({cap['rate_per_s']:.3g} arrivals/s)" if cap["rate_per_s"] else "")
+            + (f"; first failure at {cap['first_failure']:g}" if cap["first_failure"] is not None else "")
             for traffic, by_scheme in result["capacity"].items()
             for scheme, cap in by_scheme.items()
         }

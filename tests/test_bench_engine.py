@@ -82,21 +82,24 @@ def _point(traffic: str, scheme: str, n: float, realtime: bool | None) -> dict:
             "realtime": realtime}  # fmt: skip
 
 
-def test_capacity_is_the_last_passing_point_before_the_first_failure() -> None:
+def test_capacity_is_the_largest_passing_concurrency_and_a_failure_below_it_is_reported() -> None:
     points = [
         _point("constant", "project", 8, False),
         _point("constant", "project", 1, True),
         _point("constant", "project", 4, True),
-        _point("constant", "project", 16, True),  # a pass above a failure is noise, not capacity
-        _point("constant", "project", 2, None),  # no evidence: skipped
+        _point("constant", "project", 16, True),  # passes above a failure: a noisy sweep
+        _point("constant", "project", 32, False),
+        _point("constant", "project", 64, None),  # no calls, no evidence: skipped
         _point("constant", "reference", 1, False),
         _point("variable", "project", 2, True),
     ]
     cap = capacity(points)
-    assert cap["constant"]["project"]["streams"] == 4
-    assert cap["constant"]["project"]["mean_concurrency"] == pytest.approx(3.6)
-    assert cap["constant"]["reference"]["streams"] == 0
-    assert cap["variable"]["project"]["streams"] == 2
+    assert cap["constant"]["project"]["streams"] == 16
+    assert cap["constant"]["project"]["first_failure"] == 8
+    assert cap["constant"]["project"]["mean_concurrency"] == pytest.approx(16 * 0.9)
+    assert cap["constant"]["reference"] == {"streams": 0, "rate_per_s": None, "mean_concurrency": 0.0,
+                                            "first_failure": 1}  # fmt: skip
+    assert cap["variable"]["project"]["streams"] == 2 and cap["variable"]["project"]["first_failure"] is None
 
 
 # ------------------------------------------------------------------------------------ the reference scheme

@@ -14,7 +14,7 @@ import concurrent.futures
 import contextlib
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -353,12 +353,12 @@ class OrpheusEngine:
         max_tokens: int | None = None,
         seed: int | None = None,
         token_log: list[int] | None = None,
-    ) -> AsyncIterator[AudioChunk]:
-        """Speak `text`: an async iterator of AudioChunk, the last with `final=True`.
+    ) -> AsyncGenerator[AudioChunk, None]:
+        """Speak `text`: an async generator of AudioChunk, the last with `final=True`.
 
         Validates eagerly (ValueError for an unknown voice or bad sampling values). Empty text
         yields nothing. Long text is split at sentence bounds and spoken in order. Leaving the
-        loop early or cancelling the task aborts the generation within one engine step.
+        loop early, `aclose()` or cancelling the task aborts the generation within one engine step.
         `token_log`, if given, receives every generated id, each utterance closed by the
         end-of-speech id: what `orpheus-tts decode` replays to reproduce a generation.
         """
@@ -387,7 +387,7 @@ class OrpheusEngine:
 
     async def _synthesize(
         self, pieces: list[str], voice: str | None, sampling: SamplingParams, token_log: list[int] | None
-    ) -> AsyncIterator[AudioChunk]:
+    ) -> AsyncGenerator[AudioChunk, None]:
         if not pieces:
             return
         await self.start()

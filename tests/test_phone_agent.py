@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import sys
 import wave
 from pathlib import Path
 
@@ -13,8 +12,6 @@ import soxr
 from pipecat.frames.frames import LLMContextFrame, LLMFullResponseEndFrame, LLMFullResponseStartFrame, LLMTextFrame
 from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.tests.utils import run_test
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repository root
 
 from examples.pipecat_phone_agent import mulaw  # noqa: E402
 from examples.pipecat_phone_agent.caller import CallScript  # noqa: E402

@@ -200,6 +200,17 @@ async def _speak(engine: OrpheusEngine, text: str, opts: _Options, emitter: tts.
         raise APIError(f"Orpheus synthesis failed: {exc!r}", retryable=False) from exc
 
 
+def _initialize(emitter: tts.AudioEmitter, *, stream: bool) -> None:
+    """Announce 24 kHz mono PCM: one segment per request (`stream=False`) or explicit segments."""
+    emitter.initialize(
+        request_id=utils.shortuuid(),
+        sample_rate=SAMPLE_RATE,
+        num_channels=NUM_CHANNELS,
+        mime_type="audio/pcm",
+        stream=stream,
+    )
+
+
 class ChunkedStream(tts.ChunkedStream):
     """`TTS.synthesize(text)`: the whole text in one engine request (split at sentences by the engine)."""
 
@@ -209,12 +220,7 @@ class ChunkedStream(tts.ChunkedStream):
         self._opts = tts._opts
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        output_emitter.initialize(
-            request_id=utils.shortuuid(),
-            sample_rate=SAMPLE_RATE,
-            num_channels=NUM_CHANNELS,
-            mime_type="audio/pcm",
-        )
+        _initialize(output_emitter, stream=False)
         await _speak(self._engine, self._input_text, self._opts, output_emitter)
         # no flush(): the base class ends the input, so the last audio frame itself carries is_final
 
@@ -229,13 +235,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         self._sentence_tokenizer = tts._sentence_tokenizer
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        output_emitter.initialize(
-            request_id=utils.shortuuid(),
-            sample_rate=SAMPLE_RATE,
-            num_channels=NUM_CHANNELS,
-            mime_type="audio/pcm",
-            stream=True,
-        )
+        _initialize(output_emitter, stream=True)
         sentences = self._sentence_tokenizer.stream()
         forward = asyncio.create_task(self._forward_input(sentences), name="orpheus.forward_input")
         try:

@@ -303,7 +303,10 @@ def random_backend(model: torch.nn.Module, plan: Plan, device: str, max_batch_si
             with mock.patch.object(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model):
                 super()._load()
 
-    return RandomWeightsHF("random-weights", device=device, max_batch_size=max_batch_size, max_seq_len=plan.max_seq_len)
+    dtype = next(model.parameters()).dtype
+    return RandomWeightsHF(
+        "random-weights", device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=plan.max_seq_len
+    )
 
 
 def _time_of_token(arrivals: list[tuple[float, int]], n: int) -> float | None:

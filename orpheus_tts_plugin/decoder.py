@@ -132,6 +132,11 @@ class DecodeState:
     def pending_frames(self) -> int:
         return sum(len(p) for p in self.pending)
 
+    @property
+    def done(self) -> bool:
+        """Final and fully decoded: the last audio of the utterance has been returned."""
+        return self.final and not self.pending
+
     def ready(self, first_chunk_frames: int) -> bool:
         """Whether a decode call for this utterance would emit audio now."""
         if self.final:
@@ -145,6 +150,7 @@ class _Batch:
     """One batched decoder call: B utterances, each with a chunk padded to n frames."""
 
     states: list[DecodeState]
+    ends: np.ndarray  # (B,) bool: the utterance ends in this call (its chunk is followed by the flush)
     frames: np.ndarray  # (B, n, 7) codes; flush padding past a chunk's frames
     frames_before: np.ndarray  # (B,) frames each utterance had decoded before this call
     end_frames: np.ndarray  # (B,) frames in the utterance where its end is in this call, else a huge number
@@ -153,15 +159,18 @@ class _Batch:
     need_mask: bool  # some input lies outside its utterance (start or end)
 
     @classmethod
-    def of(cls, states: list[DecodeState], chunks: list[np.ndarray], n: int, latency: int, warmup: int) -> _Batch:
+    def of(
+        cls, states: list[DecodeState], chunks: list[np.ndarray], ends: list[bool], n: int, latency: int, warmup: int
+    ) -> _Batch:
         frames = np.zeros((len(states), n, 7), dtype=np.int64)
         for row, chunk in enumerate(chunks):
             frames[row, : len(chunk)] = chunk
         fb = np.array([st.frames_in for st in states], dtype=np.int64)
         m = np.array([len(c) for c in chunks], dtype=np.int64)
-        final = np.array([st.final for st in states])
+        final = np.array(ends, dtype=bool)
         return cls(
             states=states,
+            ends=final,
             frames=frames,
             frames_before=fb,
             end_frames=np.where(final, fb + m, np.iinfo(np.int64).max // (4 * SAMPLES_PER_FRAME)),
@@ -377,30 +386,37 @@ class StreamingDecoder:
     def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]:
         """Decode the pending frames of `states` (flushing the final ones): new int16 audio of each.
 
-        A first chunk takes exactly `first_chunk_frames` frames, however many are waiting, so
-        the first audio of an utterance is never delayed by decoding more than it needs.
+        A first chunk takes exactly `first_chunk_frames` frames, however many are waiting (even
+        of an utterance that has already ended), so the first audio is never delayed by decoding
+        more than it needs; the rest follows on the next call. `DecodeState.done` says when an
+        utterance's last audio has been returned.
         """
         out: list[np.ndarray] = [_NO_AUDIO] * len(states)
         groups: dict[int, list[tuple[int, np.ndarray, bool]]] = {}
         for i, st in enumerate(states):
             frames = np.concatenate(st.pending) if st.pending else _NO_FRAMES
             st.pending.clear()
-            if st.frames_in == 0 and len(frames) > self.first_chunk_frames and not st.final:
+            if st.frames_in == 0 and len(frames) > self.first_chunk_frames:
                 frames, rest = frames[: self.first_chunk_frames], frames[self.first_chunk_frames :]
                 st.pending.append(rest)
-            if st.final and st.frames_in + len(frames) == 0:
+            ends = st.done
+            if ends and st.frames_in + len(frames) == 0:
                 continue
-            n = len(frames) + (self.flush_frames if st.final else 0)
+            n = len(frames) + (self.flush_frames if ends else 0)
             if n:
-                groups.setdefault(n, []).append((i, frames, st.final))
+                groups.setdefault(n, []).append((i, frames, ends))
         for n, rows in groups.items():
-            audio = self._decode_group([states[i] for i, _, _ in rows], [f for _, f, _ in rows], n)
+            audio = self._decode_group(
+                [states[i] for i, _, _ in rows], [f for _, f, _ in rows], [e for *_, e in rows], n
+            )
             for (i, _, _), a in zip(rows, audio):
                 out[i] = a
         return out
 
-    def _decode_group(self, states: list[DecodeState], chunks: list[np.ndarray], n: int) -> list[np.ndarray]:
-        batch = _Batch.of(states, chunks, n, self.latency_samples, self.warmup_frames)
+    def _decode_group(
+        self, states: list[DecodeState], chunks: list[np.ndarray], ends: list[bool], n: int
+    ) -> list[np.ndarray]:
+        batch = _Batch.of(states, chunks, ends, n, self.latency_samples, self.warmup_frames)
         pcm, buffers = self._run(batch)
         self.calls += 1
         self.rows += len(states)
@@ -409,12 +425,12 @@ class StreamingDecoder:
         out: list[np.ndarray] = []
         for row, st in enumerate(states):
             lo = max(0, -int(batch.start[row]))
-            hi = int(batch.total[row] - batch.start[row]) if st.final else n * SAMPLES_PER_FRAME
+            hi = int(batch.total[row] - batch.start[row]) if batch.ends[row] else n * SAMPLES_PER_FRAME
             hi = max(lo, min(hi, n * SAMPLES_PER_FRAME))
             out.append(pcm[row, lo:hi])
             st.frames_in += len(chunks[row])
             st.samples_out += hi - lo
-            st.buffers = None if st.final else [b[row : row + 1] for b in buffers]
+            st.buffers = None if batch.ends[row] else [b[row : row + 1] for b in buffers]
         return out
 
     def _run(self, batch: _Batch) -> tuple[np.ndarray, list[Tensor]]:

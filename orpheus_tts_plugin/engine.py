@@ -193,7 +193,7 @@ class _DecodeWorker:
                 stream = utt.stream
                 if stream.closed:
                     continue
-                final = utt.last and utt.state.final
+                final = utt.last and utt.state.done
                 if audio.size == 0 and not final:
                     continue
                 chunk = AudioChunk(audio.tobytes(), stream.samples, final)
@@ -202,7 +202,7 @@ class _DecodeWorker:
                 if final:
                     done.append(stream)
             with self._cv:
-                finished = {id(u) for u in ready if u.state.final}
+                finished = {id(u) for u in ready if u.state.done}
                 self._live = [u for u in self._live if id(u) not in finished]
             for stream in done:
                 self._on_done(stream)

@@ -31,6 +31,8 @@ def replay_streaming(decoder: StreamingDecoder, ids: np.ndarray, spec: ModelSpec
                 out.extend(decoder.decode([state]))
         state.final = True
         out.extend(decoder.decode([state]))
+        while not state.done:  # a first chunk is capped at first_chunk_frames; the rest follows
+            out.extend(decoder.decode([state]))
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int16)
 
 

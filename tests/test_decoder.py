@@ -141,3 +141,17 @@ def test_snac_with_attention_is_refused(tmp_path: Path) -> None:
     torch.save(SNAC(**config).state_dict(), tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="attention"):
         load_snac(str(tmp_path))
+
+
+def test_an_utterance_that_ended_before_its_first_decode_still_starts_with_a_short_chunk(snac) -> None:
+    decoder = StreamingDecoder(snac)
+    frames = _frames(9, 11)
+    state = decoder.new_state()
+    state.pending.append(frames)
+    state.final = True
+    first = decoder.decode([state])[0]
+    assert first.size == 4 * SAMPLES_PER_FRAME - decoder.latency_samples and not state.done
+    rest = decoder.decode([state])[0]
+    assert state.done
+    streamed = np.concatenate([first, rest])
+    assert np.abs(streamed.astype(int) - offline_decode(snac, frames).astype(int)).max() <= 33

@@ -102,8 +102,8 @@ class _Stream:
         self.box: Mailbox[AudioChunk] = Mailbox()
 
     def put(self, item: AudioChunk | BaseException) -> None:
-        """Runs on the caller's loop: a chunk, or the error that ends the stream."""
-        if self.closed:
+        """Runs on the caller's loop: a chunk, or the error that ends the stream (nothing after either end)."""
+        if self.closed or self.box.ended:
             return
         if isinstance(item, BaseException):
             self.box.end(item)
@@ -207,10 +207,8 @@ class _DecodeWorker:
             for stream in done:
                 self._on_done(stream)
             for loop, items in by_loop.items():
-                try:
+                with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
                     loop.call_soon_threadsafe(_deliver, items)
-                except RuntimeError:  # the caller's loop is closed: nobody is listening
-                    pass
 
 
 def _deliver(items: list[tuple[_Stream, AudioChunk | BaseException]]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -354,6 +355,18 @@ class _Residual(_Layer):
             y = layer(y, step)
         skip = step.extend(x, self.lag)
         return y.add_(skip[..., : x.shape[-1]])
+
+
+class FrameDecoder(Protocol):
+    """What the engine's decoder thread drives: per-utterance states, decoded in batches."""
+
+    first_chunk_frames: int
+
+    def new_state(self) -> DecodeState: ...
+
+    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]: ...
+
+    def stats(self) -> dict[str, object]: ...
 
 
 class StreamingDecoder:

@@ -23,7 +23,7 @@ import numpy as np
 from .backends.base import BackendError, FinishReason, GenerationRequest, SamplingParams, TokenBackend
 from .backends.synthetic import SyntheticConfig
 from .codes import FrameParser
-from .decoder import DecodeState, NullDecoder, StreamingDecoder
+from .decoder import DecodeState, FrameDecoder, NullDecoder, StreamingDecoder
 from .mailbox import Mailbox
 from .prompt import prompt_ids, token_budget
 from .spec import SAMPLE_RATE, ModelSpec, spec_for
@@ -123,7 +123,7 @@ class _Utterance:
 class _DecodeWorker:
     """The decoder thread: each tick decodes every ready utterance in batched calls and delivers."""
 
-    def __init__(self, decoder: StreamingDecoder, on_done: Any):
+    def __init__(self, decoder: FrameDecoder, on_done: Any):
         self.decoder = decoder
         self._on_done = on_done
         self._cv = threading.Condition()
@@ -293,7 +293,7 @@ class OrpheusEngine:
         device = cfg.resolved_device()
         self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
         if cfg.decoder == "null":
-            decoder: StreamingDecoder = NullDecoder(cfg.first_chunk_frames)
+            decoder: FrameDecoder = NullDecoder(cfg.first_chunk_frames)
         elif cfg.decoder in ("snac", "reference"):
             from .decoder import ReferenceDecoder, load_snac
 

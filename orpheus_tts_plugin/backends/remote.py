@@ -210,10 +210,6 @@ class RemoteBackend:
         if session is not None:
             await session.close()
 
-    def _ended(self, reason: str) -> None:
-        self._requests.ended(reason)
-
-
 class RemoteStream:
     """New ids of one remote request, one SSE event at a time; `aclose()` closes the HTTP response."""
 
@@ -334,7 +330,7 @@ class RemoteStream:
     def _end(self, reason: str) -> None:
         self._ended = True
         self.finish_reason = reason
-        self._backend._ended(reason)
+        self._backend._requests.ended(reason)
 
     def _fail(self, message: str) -> None:
         if not self._ended:

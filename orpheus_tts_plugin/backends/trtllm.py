@@ -185,10 +185,6 @@ class TrtllmBackend:
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
 
-    def _ended(self, reason: str) -> None:
-        self._requests.ended(reason)
-
-
 class TrtllmStream:
     """New ids of one TensorRT-LLM request (`token_ids_diff` per step); `aclose()` calls `result.abort()`."""
 
@@ -240,4 +236,4 @@ class TrtllmStream:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
-        self._backend._ended(reason)
+        self._backend._requests.ended(reason)

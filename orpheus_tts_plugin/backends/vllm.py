@@ -161,10 +161,6 @@ class VllmBackend:
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
 
-    def _ended(self, reason: str) -> None:
-        self._requests.ended(reason)
-
-
 class VllmStream:
     """New ids of one vLLM request. A task pumps vLLM's generator, so `aclose()` can abort from any task."""
 
@@ -224,5 +220,5 @@ class VllmStream:
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         self.finish_reason = reason
-        self._backend._ended(reason)
+        self._backend._requests.ended(reason)
         self._box.end(error)

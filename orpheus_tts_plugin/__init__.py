@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from .backends.base import SamplingParams
-from .backends.synthetic import SyntheticConfig
-from .engine import AudioChunk, EngineClosedError, EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
+from .config import EngineConfig, SamplingOverrides, SamplingParams, SyntheticConfig
+from .engine import AudioChunk, OrpheusEngine
+from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
 
 __all__ = [
     "AudioChunk",
     "EngineClosedError",
     "EngineConfig",
     "EngineError",
+    "EngineFailedError",
     "EngineOverloadedError",
+    "ModelLoadError",
     "OrpheusEngine",
     "OrpheusTTSService",
+    "SamplingOverrides",
     "SamplingParams",
     "SyntheticConfig",
 ]

@@ -87,11 +87,6 @@ class FrameParser:
         self.frames_out += len(frames)
         return np.array(frames, dtype=np.int64)
 
-    @property
-    def pending_tokens(self) -> int:
-        """Ids of an incomplete frame held back."""
-        return len(self._partial)
-
 
 _EMPTY = np.empty((0, TOKENS_PER_FRAME), dtype=np.int64)
 
@@ -100,9 +95,3 @@ def frames_to_levels(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     """(..., n, 7) frames → SNAC codes per level: (..., n), (..., 2n), (..., 4n) in time order."""
     lead = frames.shape[:-2]
     return tuple(frames[..., list(pos)].reshape(*lead, -1) for pos in LEVEL_POSITIONS)  # type: ignore[return-value]
-
-
-def ids_to_frames(ids: object, spec: ModelSpec) -> tuple[np.ndarray, FrameParser]:
-    """Parse a whole saved id sequence at once (the parser that the engine feeds step by step)."""
-    parser = FrameParser(spec)
-    return parser.feed(ids), parser

@@ -1,11 +1,10 @@
-"""SNAC 24 kHz decoding: exact streaming with per-utterance state, batched across utterances.
+"""Streaming SNAC decoding for the engine: the FrameDecoder interface, exact streaming, the null decoder.
 
 The SNAC decoder is convolutional and non-causal. `StreamingDecoder` runs it layer by layer on
 new frames only: every convolution keeps the last inputs it needs as state, so each frame is
 decoded once and each output sample is emitted as soon as the receptive field allows. Inputs
 outside an utterance are masked to zero, exactly as the offline decoder's zero padding, so the
-streamed audio equals `offline_decode` of the whole utterance (up to float rounding). SNAC's
-NoiseBlock noise is made a function of absolute position so that the two agree.
+streamed audio equals `snac.offline_decode` of the whole utterance (up to float rounding).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -21,102 +20,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .codes import frames_to_levels
-from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME
+from .snac import LATENT_PER_FRAME, SNAC24_LATENCY, PositionalNoise, fade_edges, load_snac, to_int16
+from .spec import SAMPLES_PER_FRAME
 
-LATENT_PER_FRAME = 4  # SNAC latent steps (hop 512) per 2,048-sample frame
-FADE_SAMPLES = 240  # 10 ms fade at each end of an utterance
-NOISE_PERIOD_FRAMES = 1024  # noise repeats after this many frames (87 s), longer than any utterance
-
-
-def load_snac(
-    path_or_repo: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, noise_seed: int = 0
-) -> nn.Module:
-    """Load a SNAC 24 kHz model (hub id or local dir) with position-seeded noise, in eval mode."""
-    from snac import SNAC
-
-    model = SNAC.from_pretrained(path_or_repo)
-    if model.sampling_rate != SAMPLE_RATE or model.hop_length * LATENT_PER_FRAME != SAMPLES_PER_FRAME:
-        raise ValueError(
-            f"{path_or_repo}: Orpheus needs the 24 kHz SNAC (hop 512), got "
-            f"{model.sampling_rate} Hz, hop {model.hop_length}"
-        )
-    if model.attn_window_size is not None:
-        raise ValueError(f"{path_or_repo}: a SNAC decoder with local attention cannot stream exactly")
-    model = model.to(device=device, dtype=dtype).eval()
-    model.requires_grad_(False)
-    make_noise_deterministic(model, noise_seed)
-    return model
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 
-class PositionalNoise(nn.Module):
-    """SNAC's NoiseBlock with noise drawn from a fixed table indexed by absolute sample position."""
+class FrameDecoder(Protocol):
+    """What the engine's decoder thread drives: per-utterance states, decoded in batches."""
 
-    def __init__(self, linear: nn.Module, table: Tensor):
-        super().__init__()
-        self.linear = linear
-        self.register_buffer("table", table, persistent=False)
+    first_chunk_frames: int
 
-    def noise(self, positions: Tensor) -> Tensor:
-        return self.table[positions.remainder(self.table.numel())]
+    def new_state(self) -> DecodeState: ...
 
-    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        if positions is None:
-            positions = torch.arange(x.shape[-1], device=x.device)
-        return x + self.noise(positions).unsqueeze(-2) * self.linear(x)
+    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]: ...
 
-
-def make_noise_deterministic(model: nn.Module, seed: int = 0) -> None:
-    """Replace every NoiseBlock of a SNAC decoder by a PositionalNoise (in place)."""
-    from snac.layers import DecoderBlock, NoiseBlock
-
-    rate = 1
-    blocks = [m for m in model.decoder.model if isinstance(m, DecoderBlock)]
-    for i, block in enumerate(blocks):
-        convt = block.block[1]
-        rate *= convt.stride[0]
-        for j, layer in enumerate(block.block):
-            if isinstance(layer, NoiseBlock):
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-                length = NOISE_PERIOD_FRAMES * LATENT_PER_FRAME * rate
-                table = torch.randn(length, generator=gen).to(next(model.parameters()))
-                block.block[j] = PositionalNoise(layer.linear, table)
-
-
-def fade_edges(audio: Tensor, start: Tensor, total: Tensor | None) -> Tensor:
-    """Linear fades over the first and last FADE_SAMPLES of an utterance.
-
-    `audio` (B, n) holds samples from absolute position `start` (B,); `total` (B,) is the
-    utterance length where known (its end is in this chunk), else None or negative.
-    """
-    pos = start.unsqueeze(1) + torch.arange(audio.shape[-1], device=audio.device)
-    gain = (pos.to(audio.dtype) / FADE_SAMPLES).clamp(max=1.0)
-    if total is not None:
-        tail = ((total.unsqueeze(1) - 1 - pos).to(audio.dtype) / FADE_SAMPLES).clamp(max=1.0)
-        gain = torch.where(total.unsqueeze(1) >= 0, torch.minimum(gain, tail), gain)
-    return audio * gain.clamp(min=0.0)
-
-
-def to_int16(audio: Tensor) -> Tensor:
-    """Float audio in [-1, 1] → int16, on the audio's device."""
-    return (audio * 32767.0).round_().clamp_(-32768, 32767).to(torch.int16)
-
-
-@torch.inference_mode()
-def offline_decode(snac: nn.Module, frames: np.ndarray) -> np.ndarray:
-    """Decode a whole utterance at once with SNAC's own decoder: int16, 2,048 samples per frame."""
-    if len(frames) == 0:
-        return np.zeros(0, dtype=np.int16)
-    device = next(snac.parameters()).device
-    codes = [torch.from_numpy(c).to(device).unsqueeze(0) for c in frames_to_levels(frames)]
-    audio = snac.decode(codes)[:, 0]
-    n = audio.shape[-1]
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    audio = fade_edges(audio, zero, torch.full((1,), n, device=device))
-    return to_int16(audio)[0].cpu().numpy()
-
-
-# --------------------------------------------------------------------------------------------
-# Streaming
+    def stats(self) -> dict[str, object]: ...
 
 
 @dataclass
@@ -357,18 +277,6 @@ class _Residual(_Layer):
         return y.add_(skip[..., : x.shape[-1]])
 
 
-class FrameDecoder(Protocol):
-    """What the engine's decoder thread drives: per-utterance states, decoded in batches."""
-
-    first_chunk_frames: int
-
-    def new_state(self) -> DecodeState: ...
-
-    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]: ...
-
-    def stats(self) -> dict[str, object]: ...
-
-
 class StreamingDecoder:
     """Exact streaming SNAC decoding of many utterances, one batched call per chunk length a tick."""
 
@@ -488,8 +396,6 @@ class NullDecoder(StreamingDecoder):
         return np.zeros((len(batch.states), batch.frames.shape[1] * SAMPLES_PER_FRAME), dtype=np.int16), []
 
 
-# Look-ahead of the SNAC 24 kHz decoder in samples (what StreamingDecoder measures from its layers).
-SNAC24_LATENCY = 4757
 _NO_AUDIO = np.zeros(0, dtype=np.int16)
 _NO_FRAMES = np.zeros((0, 7), dtype=np.int64)
 
@@ -530,57 +436,9 @@ def _build_layers(snac: nn.Module) -> list[_Layer]:
     return layers
 
 
-@torch.inference_mode()
-def reference_decode(snac: nn.Module, windows: np.ndarray) -> np.ndarray:
-    """The reference scheme: decode (B, 4, 7) frame windows whole and keep the second frame (B, 2048)."""
-    device = next(snac.parameters()).device
-    codes = [torch.from_numpy(c).to(device) for c in frames_to_levels(windows)]
-    audio = snac.decode(codes)[:, 0, SAMPLES_PER_FRAME : 2 * SAMPLES_PER_FRAME]
-    return to_int16(audio).cpu().numpy()
-
-
-class ReferenceDecoder:
-    """The reference decoding scheme behind the StreamingDecoder interface, for side-by-side benchmarks.
-
-    Like Canopy's reference: each new frame (from the 4th on) decodes the window of the last 4 frames
-    alone, one stream and one window per SNAC call, and emits the window's second frame; the first
-    frame and the last two of an utterance are never emitted. Its audio is what the reference plays.
-    """
-
-    WINDOW = 4
-
-    def __init__(self, snac: nn.Module):
-        self.snac = snac
-        self.first_chunk_frames = self.WINDOW
-        self.calls = 0
-        self.frames = 0  # frames run through SNAC: WINDOW per call
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.snac.parameters()).device
-
-    def new_state(self) -> DecodeState:
-        return DecodeState()
-
-    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]:
-        """Decode every new frame of `states` in its own 4-frame window: new int16 audio of each."""
-        out: list[np.ndarray] = []
-        for st in states:
-            history = st.buffers[0].numpy() if st.buffers else _NO_FRAMES  # the last WINDOW - 1 frames
-            frames = np.concatenate([history, *st.pending])
-            st.pending.clear()
-            first_new = max(len(history), self.WINDOW - 1)
-            audio = [
-                reference_decode(self.snac, frames[None, k - self.WINDOW + 1 : k + 1])[0]
-                for k in range(first_new, len(frames))
-            ]
-            self.calls += len(audio)
-            self.frames += self.WINDOW * len(audio)
-            st.frames_in += len(frames) - len(history)
-            st.buffers = None if st.final else [torch.from_numpy(frames[-(self.WINDOW - 1) :])]
-            out.append(np.concatenate(audio) if audio else _NO_AUDIO)
-            st.samples_out += out[-1].size
-        return out
-
-    def stats(self) -> dict[str, object]:
-        return {"decoded_frames": self.frames, "decoder_calls": self.calls, "decoded_rows": self.calls}
+def make_decoder(config: EngineConfig, device: str) -> FrameDecoder:
+    """The decoder `config.decoder` names: "snac" (exact streaming) or "null" (silence on the same schedule)."""
+    if config.decoder == "null":
+        return NullDecoder(config.first_chunk_frames)
+    snac = load_snac(config.snac, device, noise_seed=config.noise_seed)
+    return StreamingDecoder(snac, config.first_chunk_frames)

@@ -16,50 +16,21 @@ import threading
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backends.base import BackendError, FinishReason, GenerationRequest, SamplingParams, TokenBackend
-from .backends.synthetic import SyntheticConfig
+from .backends.base import BackendError, FinishReason, GenerationRequest, TokenBackend
 from .codes import FrameParser
-from .decoder import DecodeState, FrameDecoder, NullDecoder, StreamingDecoder
+from .config import EngineConfig, SamplingOverrides, SamplingParams
+from .errors import EngineClosedError, EngineError, EngineOverloadedError
 from .mailbox import Mailbox
 from .prompt import prompt_ids, token_budget
 from .spec import SAMPLE_RATE, ModelSpec, spec_for
 from .text import split_sentences
 
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that defines an engine; equal configs share one process-wide engine."""
-
-    model: str | None = "canopylabs/orpheus-3b-0.1-ft"  # hub id or local dir (remote: the server URL)
-    snac: str = "hubertsiuzdak/snac_24khz"
-    backend: str = "hf"  # hf | synthetic | trtllm | vllm | remote
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    model_family: str = "orpheus-en"
-    tokenizer: str | None = None  # defaults to `model`
-    max_streams: int = 256  # concurrent synthesize() streams admitted; more raise EngineOverloadedError
-    max_batch_size: int = 64  # rows per backend step
-    max_seq_len: int = 4096
-    first_chunk_frames: int = 4  # frames before the first decode: 4 → 3,435 exact samples after 28 tokens
-    decoder: str = "snac"  # snac | null (silence on the same schedule) | reference (4-frame windows); benchmarks
-    noise_seed: int = 0
-    sentence_max_chars: int = 300
-    token_budget_per_char: float = 12.0
-    token_budget_base: int = 350
-    constrain_audio: bool = True  # restrict sampling to the ids valid at each frame position
-    sampling: SamplingParams = SamplingParams()
-    synthetic: SyntheticConfig = SyntheticConfig()
-    backend_options: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments for the backend
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+if TYPE_CHECKING:
+    from .decoder import DecodeState, FrameDecoder
 
 
 @dataclass(frozen=True)
@@ -74,18 +45,6 @@ class AudioChunk:
     @property
     def num_samples(self) -> int:
         return len(self.pcm) // 2
-
-
-class EngineError(RuntimeError):
-    """A stream failed inside the engine (backend error, engine closed)."""
-
-
-class EngineClosedError(EngineError):
-    """The engine was closed (before or while this stream ran); retrying on it cannot help."""
-
-
-class EngineOverloadedError(EngineError):
-    """The engine is at `max_streams`; retry later or on another worker."""
 
 
 class _Stream:
@@ -115,7 +74,7 @@ class _Stream:
 class _Utterance:
     stream: _Stream
     last: bool
-    state: DecodeState = field(default_factory=DecodeState)
+    state: DecodeState
     incoming: list[np.ndarray] = field(default_factory=list)
     ended: bool = False
 
@@ -134,7 +93,7 @@ class _DecodeWorker:
         self._thread.start()
 
     def open(self, stream: _Stream, last: bool) -> _Utterance:
-        utt = _Utterance(stream, last)
+        utt = _Utterance(stream, last, self.decoder.new_state())
         with self._cv:
             self._live.append(utt)
         return utt
@@ -228,10 +187,18 @@ class OrpheusEngine:
     _shared: dict[EngineConfig, OrpheusEngine] = {}
     _shared_lock = threading.Lock()
 
-    def __init__(self, config: EngineConfig | None = None, *, backend: TokenBackend | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        backend: TokenBackend | None = None,
+        decoder: FrameDecoder | None = None,
+    ):
+        """An engine of `config`; `backend` and `decoder` replace the ones the config names (tests, benchmarks)."""
         self.config = config or EngineConfig()
         self.spec: ModelSpec = spec_for(self.config.model_family)
         self._custom_backend = backend
+        self._custom_decoder = decoder
         self._lock = threading.Lock()
         self._started: concurrent.futures.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -288,22 +255,12 @@ class OrpheusEngine:
 
     async def _boot(self) -> None:
         from .backends import make_backend, make_tokenizer
+        from .decoder import make_decoder
 
         cfg = self.config
         device = cfg.resolved_device()
         self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
-        if cfg.decoder == "null":
-            decoder: FrameDecoder = NullDecoder(cfg.first_chunk_frames)
-        elif cfg.decoder in ("snac", "reference"):
-            from .decoder import ReferenceDecoder, load_snac
-
-            snac = await asyncio.to_thread(load_snac, cfg.snac, device, noise_seed=cfg.noise_seed)
-            if cfg.decoder == "reference":  # the reference 4-frame-window scheme, for side-by-side benchmarks
-                decoder = ReferenceDecoder(snac)
-            else:
-                decoder = StreamingDecoder(snac, cfg.first_chunk_frames)
-        else:
-            raise ValueError(f"unknown decoder {cfg.decoder!r}; use 'snac', 'null' or 'reference'")
+        decoder = self._custom_decoder or await asyncio.to_thread(make_decoder, cfg, device)
         self._backend = self._custom_backend or make_backend(cfg, self.spec, device)
         await self._backend.start()
         self._worker = _DecodeWorker(decoder, self._stream_done)
@@ -345,43 +302,33 @@ class OrpheusEngine:
         text: str,
         *,
         voice: str | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float | None = None,
-        max_tokens: int | None = None,
-        seed: int | None = None,
+        sampling: SamplingOverrides | None = None,
         token_log: list[int] | None = None,
+        **overrides: float | int | None,
     ) -> AsyncGenerator[AudioChunk, None]:
         """Speak `text`: an async generator of AudioChunk, the last with `final=True`.
 
-        Validates eagerly (ValueError for an unknown voice or bad sampling values). Empty text
-        yields nothing. Long text is split at sentence bounds and spoken in order. Leaving the
-        loop early, `aclose()` or cancelling the task aborts the generation within one engine step.
-        `token_log`, if given, receives every generated id, each utterance closed by the
-        end-of-speech id: what `orpheus-tts decode` replays to reproduce a generation.
+        Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty,
+        max_tokens, seed); None takes the engine's default. Validates eagerly (TypeError/ValueError
+        naming the field). Empty text yields nothing. Long text is split at sentence bounds and
+        spoken in order. Leaving the loop early, `aclose()` or cancelling the task aborts the
+        generation within one engine step. `token_log`, if given, receives every generated id, each
+        utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
         """
-        voice, sampling = self.check_options(
-            voice=voice,
-            temperature=temperature,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            max_tokens=max_tokens,
-            seed=seed,
-        )
+        voice, params = self.check_options(voice, sampling, **overrides)
         pieces = split_sentences(text, self.config.sentence_max_chars)
-        return self._synthesize(pieces, voice, sampling, token_log)
+        return self._synthesize(pieces, voice, params, token_log)
 
     def check_options(
-        self, voice: str | None = None, **sampling: float | int | None
+        self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: float | int | None
     ) -> tuple[str | None, SamplingParams]:
-        """The voice and sampling parameters a request would use; ValueError naming what is wrong.
+        """The voice and sampling parameters a request would use; TypeError/ValueError naming what is wrong.
 
-        Sampling values left None take the engine's defaults. Adapters call this when options
-        change, so that bad input fails there and then rather than in the middle of a call.
+        Adapters call this when options change, so that bad input fails there and then rather
+        than in the middle of a call.
         """
         voice = self.spec.check_voice(voice)
-        overrides = {k: v for k, v in sampling.items() if v is not None}
-        return voice, replace(self.config.sampling, **overrides).validate()
+        return voice, SamplingOverrides.of(sampling, **overrides).apply(self.config.sampling)
 
     async def _synthesize(
         self, pieces: list[str], voice: str | None, sampling: SamplingParams, token_log: list[int] | None
@@ -416,7 +363,7 @@ class OrpheusEngine:
             prompt_ids=prompt_ids(self._tokenizer, self.spec, text, voice),
             sampling=sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i),
             max_new_tokens=limit,
-            stop_ids=(self.spec.end_of_speech,),
+            stop_ids=self.spec.stop_ids(),
             constrain_audio=cfg.constrain_audio,
         )
         return req, kind

@@ -18,7 +18,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from livekit.agents import (
@@ -36,9 +36,11 @@ from livekit.agents import (
 )
 from livekit.agents.types import NOT_GIVEN, NotGivenOr
 
-from orpheus_tts_plugin.engine import EngineClosedError, EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
-from orpheus_tts_plugin.spec import SAMPLE_RATE
-from orpheus_tts_plugin.weights import download_files
+from .config import EngineConfig, SamplingOverrides
+from .engine import OrpheusEngine
+from .errors import EngineClosedError, EngineError, EngineOverloadedError
+from .spec import SAMPLE_RATE
+from .weights import download_files
 
 __all__ = [
     "TTS",
@@ -75,15 +77,11 @@ class _Options:
     """Per-request synthesis options; None leaves the engine's default."""
 
     voice: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    max_tokens: int | None = None
-    seed: int | None = None
+    sampling: SamplingOverrides = SamplingOverrides()
 
     def checked(self, engine: OrpheusEngine) -> _Options:
-        """Raise ValueError now (not mid-call) for a voice or sampling value the engine would refuse."""
-        engine.check_options(**asdict(self))
+        """Raise TypeError/ValueError now (not mid-call) for a voice or sampling value the engine would refuse."""
+        engine.check_options(self.voice, self.sampling)
         return self
 
 
@@ -96,16 +94,14 @@ class TTS(tts.TTS):
         engine: OrpheusEngine | None = None,
         config: EngineConfig | None = None,
         voice: str | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float | None = None,
-        max_tokens: int | None = None,
-        seed: int | None = None,
+        sampling: SamplingOverrides | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
+        **overrides: float | int | None,
     ) -> None:
         """Speak through `engine`, or through the process-wide engine of `config` (the default config if neither).
 
-        Sampling values left as None use the engine's defaults. `sentence_tokenizer` decides where
+        Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty,
+        max_tokens, seed); None uses the engine's default. `sentence_tokenizer` decides where
         `stream()` cuts pushed text into requests (default: LiveKit's blingfire sentence splitter).
         """
         if engine is not None and config is not None:
@@ -116,7 +112,7 @@ class TTS(tts.TTS):
             num_channels=NUM_CHANNELS,
         )
         self._engine = _engine_for(engine or config)
-        self._opts = _Options(voice, temperature, top_p, repetition_penalty, max_tokens, seed).checked(self._engine)
+        self._opts = _Options(voice, SamplingOverrides.of(sampling, **overrides)).checked(self._engine)
         self._sentence_tokenizer = (
             sentence_tokenizer if utils.is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
         )
@@ -139,26 +135,13 @@ class TTS(tts.TTS):
         return "orpheus"
 
     def update_options(
-        self,
-        *,
-        voice: NotGivenOr[str | None] = NOT_GIVEN,
-        temperature: NotGivenOr[float | None] = NOT_GIVEN,
-        top_p: NotGivenOr[float | None] = NOT_GIVEN,
-        repetition_penalty: NotGivenOr[float | None] = NOT_GIVEN,
-        max_tokens: NotGivenOr[int | None] = NOT_GIVEN,
-        seed: NotGivenOr[int | None] = NOT_GIVEN,
+        self, *, voice: NotGivenOr[str | None] = NOT_GIVEN, **overrides: NotGivenOr[float | int | None]
     ) -> None:
-        """Change options for streams created from now on (None restores the engine default)."""
-        given = dict(
-            voice=voice,
-            temperature=temperature,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            max_tokens=max_tokens,
-            seed=seed,
-        )
-        changes = {k: v for k, v in given.items() if utils.is_given(v)}
-        self._opts = replace(self._opts, **changes).checked(self._engine)
+        """Change options for streams created from now on: voice and sampling fields (None restores the default)."""
+        changes = {k: v for k, v in overrides.items() if utils.is_given(v)}
+        sampling = SamplingOverrides.of(self._opts.sampling, **changes)
+        new = _Options(voice if utils.is_given(voice) else self._opts.voice, sampling)
+        self._opts = new.checked(self._engine)
 
     def prewarm(self) -> None:
         """Start loading the engine in the background; never blocks the caller's event loop."""
@@ -182,7 +165,7 @@ class TTS(tts.TTS):
 async def _speak(engine: OrpheusEngine, text: str, opts: _Options, emitter: tts.AudioEmitter) -> None:
     """Push the engine's audio for `text` into `emitter`; engine failures become LiveKit API errors."""
     try:
-        chunks = engine.synthesize(text, **asdict(opts))
+        chunks = engine.synthesize(text, voice=opts.voice, sampling=opts.sampling)
         # aclosing: the generation is aborted the moment this task is cancelled, not at garbage collection.
         async with contextlib.aclosing(chunks):  # type: ignore[type-var]
             async for chunk in chunks:

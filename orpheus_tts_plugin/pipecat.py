@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import field, fields, make_dataclass
 from typing import Any
 
 from pipecat.audio.utils import create_stream_resampler
@@ -13,11 +13,11 @@ from pipecat.services.tts_service import TTSService
 from pipecat.transcriptions.language import Language
 from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.tracing.service_decorators import traced_tts
-from pipecat.utils.types import NOT_GIVEN, NotGiven
+from pipecat.utils.types import NOT_GIVEN
 
-from .engine import AudioChunk, EngineClosedError, EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine
-
-SAMPLING_FIELDS = ("temperature", "top_p", "repetition_penalty", "max_tokens", "seed")
+from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
+from .engine import AudioChunk, OrpheusEngine
+from .errors import EngineClosedError, EngineError, EngineOverloadedError
 
 
 def _delta_field() -> Any:
@@ -25,15 +25,14 @@ def _delta_field() -> Any:
     return field(default_factory=lambda: NOT_GIVEN)
 
 
-@dataclass
-class OrpheusTTSSettings(TTSSettings):
-    """Runtime-updatable settings: voice, model, language plus Orpheus sampling (None = the engine's default)."""
-
-    temperature: float | None | NotGiven = _delta_field()
-    top_p: float | None | NotGiven = _delta_field()
-    repetition_penalty: float | None | NotGiven = _delta_field()
-    max_tokens: int | None | NotGiven = _delta_field()
-    seed: int | None | NotGiven = _delta_field()
+# Runtime-updatable settings: voice, model, language plus one delta field per SamplingOverrides field
+# (None = the engine's default), so that the sampling options are declared in one place only.
+OrpheusTTSSettings = make_dataclass(
+    "OrpheusTTSSettings",
+    [(f.name, f"{f.type} | NotGiven", _delta_field()) for f in fields(SamplingOverrides)],
+    bases=(TTSSettings,),
+    namespace={"__module__": __name__, "__doc__": "Pipecat TTS settings plus the Orpheus sampling overrides."},
+)
 
 
 class OrpheusTTSService(TTSService):
@@ -112,12 +111,12 @@ class OrpheusTTSService(TTSService):
                 f"model {settings.model!r} differs from the engine's {self._engine.config.model!r}; "
                 "the model is fixed per engine"
             )
-        self._engine.check_options(settings.voice, **self._sampling(settings))
+        self._engine.check_options(settings.voice, self._sampling(settings))
 
     @staticmethod
-    def _sampling(settings: OrpheusTTSSettings) -> dict[str, Any]:
-        """The sampling fields as engine options (None means the engine's default)."""
-        return {name: getattr(settings, name) for name in SAMPLING_FIELDS}
+    def _sampling(settings: OrpheusTTSSettings) -> SamplingOverrides:
+        """The sampling fields as engine overrides (None means the engine's default)."""
+        return SamplingOverrides(**{name: getattr(settings, name) for name in SAMPLING_FIELDS})
 
     async def _update_settings(self, delta: OrpheusTTSSettings) -> dict[str, Any]:
         """Apply a delta if the engine accepts it; otherwise push an error and keep the current settings."""
@@ -140,8 +139,8 @@ class OrpheusTTSService(TTSService):
         """Stream the engine's audio for `text` as TTSAudioRawFrames at the pipeline's output rate."""
         settings = self._settings
         try:
-            stream = self._engine.synthesize(text, voice=settings.voice, **self._sampling(settings))
-        except ValueError as exc:
+            stream = self._engine.synthesize(text, voice=settings.voice, sampling=self._sampling(settings))
+        except (ValueError, TypeError) as exc:
             await self.push_error(
                 f"{self}: cannot speak {text!r}: {exc}", exception=exc, category=ErrorCategory.APPLICATION
             )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -34,12 +36,20 @@ class ModelSpec:
     custom_token_base: int = 128_256
     voices: tuple[str, ...] = ()
     default_voice: str | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def audio_token_end(self) -> int:
         """One past the last valid audio id (all 7 positions)."""
         return self.first_audio_token + TOKENS_PER_FRAME * CODEBOOK_SIZE
+
+    @cached_property
+    def audio_ids(self) -> tuple[int, ...]:
+        """Every audio id (all 7 frame positions, in id order), then end of speech: what audio-only sampling allows."""
+        return (*range(self.first_audio_token, self.audio_token_end), self.end_of_speech)
+
+    def stop_ids(self, extra: Iterable[int] = ()) -> tuple[int, ...]:
+        """End of speech first, then `extra`, without repeats: the ids that end a generation."""
+        return tuple(dict.fromkeys((self.end_of_speech, *extra)))
 
     def audio_token(self, position: int, code: int) -> int:
         """Id of `code` at frame position `position`."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 import unicodedata
 
-EMOTION_TAGS = ("laugh", "chuckle", "sigh", "cough", "sniffle", "groan", "yawn", "gasp")
-
 _SPACE = re.compile(r"\s+")
 # A sentence ends at . ! ? … (possibly followed by closing quotes/brackets) and whitespace.
 _SENTENCE_END = re.compile(r"(?<=[.!?…])[\"'”’)\]]*\s+")

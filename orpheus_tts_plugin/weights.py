@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 
-from .engine import EngineConfig
+from .config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,3 +33,11 @@ def download_files(*configs: EngineConfig) -> None:
         for repo in hub_repos(config):
             logger.info("downloading %s", repo)
             snapshot_download(repo, allow_patterns=HUB_FILES)
+
+
+def download_main(args: argparse.Namespace) -> int:
+    """Run `orpheus-tts download` from parsed arguments."""
+    config = EngineConfig(model=args.model, snac=args.snac)
+    download_files(config)
+    print(f"fetched {', '.join(hub_repos(config))} into the Hugging Face cache")
+    return 0

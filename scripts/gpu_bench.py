@@ -50,9 +50,9 @@ _bootstrap()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from orpheus_tts_plugin.bench import print_rows, run_metadata, write_json  # noqa: E402
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE, SAMPLES_PER_FRAME  # noqa: E402
-from orpheus_tts_plugin.testmodel import ROPE_SCALING, ROPE_THETA  # noqa: E402
+from orpheus_tts_plugin.tools.bench.common import print_rows, run_metadata, write_json  # noqa: E402
+from orpheus_tts_plugin.tools.testmodel import ROPE_SCALING, ROPE_THETA  # noqa: E402
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 REALTIME_TOKENS_PER_S = 7 / FRAME_S  # 82.0: tokens a stream needs per second of audio
@@ -162,7 +162,8 @@ def _project_static(decoder: Any, states: list[Any], codes: list[torch.Tensor]) 
     Starts from `states` (primed past the warm-up frames by the real decoder) and keeps their
     layer buffers and positions in static tensors, so that each call continues the same streams.
     """
-    from orpheus_tts_plugin.decoder import _Step, to_int16
+    from orpheus_tts_plugin.decoder import _Step
+    from orpheus_tts_plugin.snac import to_int16
 
     buffers = [torch.cat(col).clone() for col in zip(*(st.buffers for st in states))]
     fb = torch.tensor([st.frames_in for st in states], device=decoder.device)
@@ -185,7 +186,9 @@ def _project_static(decoder: Any, states: list[Any], codes: list[torch.Tensor]) 
 def _decoder_batch(snac: Any, batch: int, plan: Plan, clock: Clock, graphs: bool) -> dict[str, Any]:
     """One batch size: project and reference scheme, eager and (on CUDA) graphed; audio s per wall s."""
     from orpheus_tts_plugin.codes import frames_to_levels
-    from orpheus_tts_plugin.decoder import StreamingDecoder, reference_decode, to_int16
+    from orpheus_tts_plugin.decoder import StreamingDecoder
+    from orpheus_tts_plugin.snac import to_int16
+    from orpheus_tts_plugin.tools.bench.reference import reference_decode
 
     dev = next(snac.parameters()).device
     frames = np.random.default_rng(batch).integers(0, 4096, size=(batch, 64, 7))
@@ -238,7 +241,7 @@ def _decoder_batch(snac: Any, batch: int, plan: Plan, clock: Clock, graphs: bool
 
 def part_decoder(assets: dict[str, str], plan: Plan, clock: Clock, device: str) -> dict[str, Any]:
     """(a) Decoder throughput by batch size; x_rt = audio seconds decoded per wall second (real-time streams)."""
-    from orpheus_tts_plugin.decoder import load_snac
+    from orpheus_tts_plugin.snac import load_snac
 
     snac = load_snac(assets["snac"], device)
     graphs = device.startswith("cuda")
@@ -291,22 +294,11 @@ def build_llama(plan: Plan, device: str) -> torch.nn.Module:
 
 
 def random_backend(model: torch.nn.Module, plan: Plan, device: str, max_batch_size: int) -> Any:
-    """The project's HFBackend serving `model` (no checkpoint on disk: its loader is handed the model)."""
-    from unittest import mock
-
-    from transformers import AutoModelForCausalLM
-
+    """The project's HFBackend serving the preloaded random-weight `model` (no checkpoint on disk)."""
     from orpheus_tts_plugin.backends.hf import HFBackend
 
-    class RandomWeightsHF(HFBackend):
-        def _load(self) -> None:
-            with mock.patch.object(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model):
-                super()._load()
-
     dtype = next(model.parameters()).dtype
-    return RandomWeightsHF(
-        "random-weights", device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=plan.max_seq_len
-    )
+    return HFBackend(model, device=device, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=plan.max_seq_len)
 
 
 def _time_of_token(arrivals: list[tuple[float, int]], n: int) -> float | None:
@@ -317,7 +309,8 @@ def _time_of_token(arrivals: list[tuple[float, int]], n: int) -> float | None:
 
 
 async def _backend_point(backend: Any, prompt: tuple[int, ...], n: int, tokens: int, clock: Clock) -> dict[str, Any]:
-    from orpheus_tts_plugin.backends.base import GenerationRequest, SamplingParams
+    from orpheus_tts_plugin.backends.base import GenerationRequest
+    from orpheus_tts_plugin.config import SamplingParams
 
     arrivals: list[list[tuple[float, int]]] = [[] for _ in range(n)]
 
@@ -387,8 +380,8 @@ def part_backend(assets: dict[str, Any], plan: Plan, clock: Clock, device: str) 
 
 def part_engine(assets: dict[str, Any], plan: Plan, clock: Clock, device: str) -> dict[str, Any]:
     """(c) `bench engine` (constant traffic, project decoder) one level at a time while the budget lasts."""
-    from orpheus_tts_plugin import bench_engine
-    from orpheus_tts_plugin.bench_figures import capacity
+    from orpheus_tts_plugin.tools.bench import engine as bench_engine
+    from orpheus_tts_plugin.tools.bench.figures import capacity
 
     points: list[dict[str, Any]] = []
     skipped: list[int] = []
@@ -418,7 +411,7 @@ PARTS = {"decoder": part_decoder, "backend": part_backend, "engine": part_engine
 
 def make_assets(tmp: Path, plan: Plan, device: str, reuse: str | None) -> dict[str, Any]:
     """Tokenizer (the test model's: real Orpheus ids), SNAC of the plan's size and the random Llama."""
-    from orpheus_tts_plugin.testmodel import make_test_model
+    from orpheus_tts_plugin.tools.testmodel import make_test_model
 
     if reuse is None:
         make_test_model(tmp, snac=plan.snac)
@@ -468,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print(result: dict[str, Any]) -> None:
     """Each part's table (the engine's in `bench engine`'s columns)."""
-    from orpheus_tts_plugin.bench_figures import COLUMNS
+    from orpheus_tts_plugin.tools.bench.figures import COLUMNS
 
     for name in PARTS:
         part = result.get(name, {})

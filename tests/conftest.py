@@ -12,7 +12,7 @@ from orpheus_tts_plugin import EngineConfig, SyntheticConfig
 @pytest.fixture(scope="session")
 def test_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`make-test-model` output with the tiny SNAC: DIR/orpheus (Llama + tokenizer) and DIR/snac."""
-    from orpheus_tts_plugin.testmodel import make_test_model
+    from orpheus_tts_plugin.tools.testmodel import make_test_model
 
     out = tmp_path_factory.mktemp("test-model")
     make_test_model(out, snac="tiny")
@@ -22,7 +22,7 @@ def test_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def full_snac_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random SNAC checkpoint of the real 24 kHz architecture (no Llama)."""
-    from orpheus_tts_plugin.testmodel import write_snac
+    from orpheus_tts_plugin.tools.testmodel import write_snac
 
     out = tmp_path_factory.mktemp("snac-full") / "snac"
     write_snac(out, "full")

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest, SamplingParams
+from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.remote import CustomTokenText, RemoteBackend
+from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.spec import ENGLISH
 
@@ -52,8 +53,19 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve-log") / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -85,8 +97,15 @@ def tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def request(tokenizer, rid: str, max_new: int, *, temperature: float = 1.0, seed: int | None = 1234,
-            stop: tuple[int, ...] = (SPEC.end_of_speech,)) -> GenerationRequest:
+def request(
+    tokenizer,
+    rid: str,
+    max_new: int,
+    *,
+    temperature: float = 1.0,
+    seed: int | None = 1234,
+    stop: tuple[int, ...] = (SPEC.end_of_speech,),
+) -> GenerationRequest:
     prompt = prompt_ids(tokenizer, SPEC, "Hello there, how are you today?", "tara")
     sampling = SamplingParams(temperature=temperature, top_p=0.9, repetition_penalty=1.1, seed=seed)
     return GenerationRequest(rid, prompt, sampling, max_new, stop, True)
@@ -113,6 +132,7 @@ def served_ids(token_ids: list[int], stop: set[int]) -> list[int]:
 
 # ---- against the real server ----
 
+
 async def test_streamed_ids_equal_the_same_generation_run_locally(server, model_dir, tokenizer) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -131,7 +151,7 @@ async def test_streamed_ids_equal_the_same_generation_run_locally(server, model_
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     inputs = tokenizer(body["prompt"], return_tensors="pt")
     torch.manual_seed(1234)
-    out = model.generate(**inputs, generation_config=config)[0, inputs.input_ids.shape[1]:].tolist()
+    out = model.generate(**inputs, generation_config=config)[0, inputs.input_ids.shape[1] :].tolist()
 
     assert got == served_ids(out, {SPEC.end_of_speech}) and got
     assert any(SPEC.first_audio_token <= i < SPEC.audio_token_end for i in got)  # the id mapping was exercised
@@ -144,12 +164,11 @@ async def test_streamed_ids_equal_the_same_generation_run_locally(server, model_
 async def test_stop_id_ends_the_stream_and_is_not_delivered(server, tokenizer) -> None:
     backend = RemoteBackend(server, dialect="transformers", tokenizer=tokenizer)
     await backend.start()
-    greedy = [i for ids in await collect(backend.generate(request(tokenizer, "g", 8, temperature=0.0)))
-              for i in ids]
+    greedy = [i for ids in await collect(backend.generate(request(tokenizer, "g", 8, temperature=0.0))) for i in ids]
     stop_id = next(i for i in greedy if i >= BASE)  # an id the model emits greedily, used as an extra stop id
     stream = backend.generate(request(tokenizer, "s", 8, temperature=0.0, stop=(SPEC.end_of_speech, stop_id)))
     got = [i for ids in await collect(stream) for i in ids]
-    assert got == greedy[:greedy.index(stop_id)]
+    assert got == greedy[: greedy.index(stop_id)]
     assert stream.finish_reason == FinishReason.STOP
     await backend.close()
 
@@ -208,8 +227,14 @@ async def test_retries_reach_a_server_that_comes_up_late(server, model_dir, toke
         await asyncio.sleep(0.3)
         return await asyncio.start_server(relay, "127.0.0.1", port)
 
-    backend = RemoteBackend(f"http://127.0.0.1:{port}/v1", model=str(model_dir), dialect="transformers",
-                            tokenizer=tokenizer, connect_retries=8, retry_backoff_s=0.05)
+    backend = RemoteBackend(
+        f"http://127.0.0.1:{port}/v1",
+        model=str(model_dir),
+        dialect="transformers",
+        tokenizer=tokenizer,
+        connect_retries=8,
+        retry_backoff_s=0.05,
+    )
     await backend.start()
     starter = asyncio.create_task(start_late())
     stream = backend.generate(request(tokenizer, "late", 3))
@@ -223,10 +248,12 @@ async def test_retries_reach_a_server_that_comes_up_late(server, model_dir, toke
 
 # ---- without the server ----
 
+
 async def test_refused_connection_is_retried_then_fails() -> None:
     port = free_port()  # nothing listens here
-    backend = RemoteBackend(f"http://127.0.0.1:{port}", model="m", dialect="openai", connect_retries=2,
-                            retry_backoff_s=0.01)
+    backend = RemoteBackend(
+        f"http://127.0.0.1:{port}", model="m", dialect="openai", connect_retries=2, retry_backoff_s=0.01
+    )
     await backend.start()
     stream = backend.generate(GenerationRequest("x", (1, 2, 3), SamplingParams(), 5, (SPEC.end_of_speech,)))
     t0 = time.monotonic()
@@ -234,8 +261,16 @@ async def test_refused_connection_is_retried_then_fails() -> None:
         await asyncio.wait_for(stream.__anext__(), 10)
     assert time.monotonic() - t0 < 5
     assert stream.finish_reason == FinishReason.ERROR
-    assert backend.stats() | {"url": None} == {"backend": "remote", "url": None, "live_requests": 0, "requests": 1,
-                                              "tokens": 0, "retries": 2, "aborted": 0, "errors": 1}
+    assert backend.stats() | {"url": None} == {
+        "backend": "remote",
+        "url": None,
+        "live_requests": 0,
+        "requests": 1,
+        "tokens": 0,
+        "retries": 2,
+        "aborted": 0,
+        "errors": 1,
+    }
     await backend.close()
 
 
@@ -281,15 +316,24 @@ async def test_vllm_style_token_id_stream_from_a_local_replay_server() -> None:
 
 
 def test_request_bodies_per_dialect() -> None:
-    req = GenerationRequest("d", (5, 6), SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1), 42,
-                            (SPEC.end_of_speech,))
+    req = GenerationRequest(
+        "d", (5, 6), SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1), 42, (SPEC.end_of_speech,)
+    )
     trt = json.loads(RemoteBackend("http://h:1/v1/", model="m", dialect="trtllm").request_body(req))
-    assert trt == {"model": "m", "prompt": [5, 6], "max_tokens": 42, "stream": True, "temperature": 0.6,
-                   "top_p": 0.8, "repetition_penalty": 1.1, "stop_token_ids": [128258],
-                   "skip_special_tokens": False, "detokenize": False}
+    assert trt == {
+        "model": "m",
+        "prompt": [5, 6],
+        "max_tokens": 42,
+        "stream": True,
+        "temperature": 0.6,
+        "top_p": 0.8,
+        "repetition_penalty": 1.1,
+        "stop_token_ids": [128258],
+        "skip_special_tokens": False,
+        "detokenize": False,
+    }
     plain = json.loads(RemoteBackend("http://h:1", model="m", dialect="openai").request_body(req))
-    assert plain == {"model": "m", "prompt": [5, 6], "max_tokens": 42, "stream": True, "temperature": 0.6,
-                     "top_p": 0.8}
+    assert plain == {"model": "m", "prompt": [5, 6], "max_tokens": 42, "stream": True, "temperature": 0.6, "top_p": 0.8}
     vllm = json.loads(RemoteBackend("http://h:1", model="m").request_body(req))
     assert "allowed_token_ids" not in vllm and vllm["return_token_ids"] is True  # constrain is opt-in remotely
     assert RemoteBackend("http://h:1/v1/").endpoint == "http://h:1/v1/completions"

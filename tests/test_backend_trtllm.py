@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest, SamplingParams
+from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
+from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
 
 SPEC = ENGLISH
@@ -25,6 +26,7 @@ AUDIO = [SPEC.audio_token(0, 5), SPEC.audio_token(1, 6), SPEC.audio_token(2, 7),
 
 
 # ---- stand-in for tensorrt_llm 1.2 (field names and defaults as documented; unknown keywords raise) ----
+
 
 @dataclass(kw_only=True)
 class FakeSamplingParams:
@@ -74,7 +76,7 @@ class FakeCompletionOutput:
 
     @property
     def token_ids_diff(self) -> list[int]:
-        return self.token_ids[self._last_token_ids_len:]
+        return self.token_ids[self._last_token_ids_len :]
 
 
 class FakeResult:
@@ -125,9 +127,22 @@ class FakeResult:
         return self
 
 
-_LLM_ARGS = {"model", "tokenizer", "skip_tokenizer_init", "kv_cache_config", "max_batch_size", "max_num_tokens",
-             "max_seq_len", "cuda_graph_config", "enable_chunked_prefill", "disable_overlap_scheduler", "backend",
-             "dtype", "trust_remote_code", "tensor_parallel_size"}
+_LLM_ARGS = {
+    "model",
+    "tokenizer",
+    "skip_tokenizer_init",
+    "kv_cache_config",
+    "max_batch_size",
+    "max_num_tokens",
+    "max_seq_len",
+    "cuda_graph_config",
+    "enable_chunked_prefill",
+    "disable_overlap_scheduler",
+    "backend",
+    "dtype",
+    "trust_remote_code",
+    "tensor_parallel_size",
+}
 
 
 class FakeLLM:
@@ -144,9 +159,17 @@ class FakeLLM:
         self.shut = False
         FakeLLM.instances.append(self)
 
-    def generate_async(self, inputs: Any, sampling_params: FakeSamplingParams | None = None, lora_request=None,
-                       prompt_adapter_request=None, streaming: bool = False, kv_cache_retention_config=None,
-                       disaggregated_params=None, scheduling_params=None) -> FakeResult:
+    def generate_async(
+        self,
+        inputs: Any,
+        sampling_params: FakeSamplingParams | None = None,
+        lora_request=None,
+        prompt_adapter_request=None,
+        streaming: bool = False,
+        kv_cache_retention_config=None,
+        disaggregated_params=None,
+        scheduling_params=None,
+    ) -> FakeResult:
         assert isinstance(sampling_params, FakeSamplingParams)
         self.calls.append({"inputs": inputs, "streaming": streaming})
         result = FakeResult(list(inputs), sampling_params)
@@ -187,6 +210,7 @@ async def started(**kwargs: Any):
 
 
 # ---- tests ----
+
 
 def test_import_guard_says_how_to_get_tensorrt_llm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # import raises ImportError

@@ -17,7 +17,8 @@ from typing import Any, TypedDict
 
 import pytest
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest, SamplingParams
+from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
+from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
 
 SPEC = ENGLISH
@@ -25,6 +26,7 @@ AUDIO = [SPEC.audio_token(0, 1), SPEC.audio_token(1, 2), SPEC.audio_token(2, 3),
 
 
 # ---- stand-in for vllm (v1 engine); field names as documented, unknown keywords raise ----
+
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
@@ -106,13 +108,22 @@ class FakeAsyncLLM:
         FakeAsyncLLM.instances.append(self)
 
     @classmethod
-    def from_engine_args(cls, engine_args: FakeEngineArgs, start_engine_loop: bool = True, usage_context=None,
-                         stat_loggers=None) -> FakeAsyncLLM:
+    def from_engine_args(
+        cls, engine_args: FakeEngineArgs, start_engine_loop: bool = True, usage_context=None, stat_loggers=None
+    ) -> FakeAsyncLLM:
         assert isinstance(engine_args, FakeEngineArgs)
         return cls(engine_args)
 
-    async def generate(self, prompt: Any, sampling_params: FakeSamplingParams, request_id: str, *,
-                       lora_request=None, trace_headers=None, priority: int = 0):
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: FakeSamplingParams,
+        request_id: str,
+        *,
+        lora_request=None,
+        trace_headers=None,
+        priority: int = 0,
+    ):
         """Like AsyncLLM.generate: yields RequestOutputs; cancellation or aclose aborts internally."""
         req = FakeRequest(prompt, sampling_params)
         self.requests[request_id] = req
@@ -150,8 +161,13 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     v1_engine = types.ModuleType("vllm.v1.engine")
     async_llm = types.ModuleType("vllm.v1.engine.async_llm")
     async_llm.AsyncLLM = FakeAsyncLLM
-    for name, mod in {"vllm": root, "vllm.sampling_params": sp, "vllm.v1": v1, "vllm.v1.engine": v1_engine,
-                      "vllm.v1.engine.async_llm": async_llm}.items():
+    for name, mod in {
+        "vllm": root,
+        "vllm.sampling_params": sp,
+        "vllm.v1": v1,
+        "vllm.v1.engine": v1_engine,
+        "vllm.v1.engine.async_llm": async_llm,
+    }.items():
         monkeypatch.setitem(sys.modules, name, mod)
     FakeAsyncLLM.instances = []
     return root
@@ -178,6 +194,7 @@ async def settle() -> None:
 
 # ---- tests ----
 
+
 def test_import_guard_says_how_to_get_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)
     import orpheus_tts_plugin.backends.vllm as mod
@@ -187,8 +204,9 @@ def test_import_guard_says_how_to_get_vllm(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 async def test_engine_args_fp8_weights_and_kv_cache(fake_vllm) -> None:
-    backend, engine = await started(max_batch_size=96, max_num_tokens=4096, max_seq_len=2048,
-                                    engine_kwargs={"enforce_eager": True})
+    backend, engine = await started(
+        max_batch_size=96, max_num_tokens=4096, max_seq_len=2048, engine_kwargs={"enforce_eager": True}
+    )
     a = engine.engine_args
     assert (a.model, a.quantization, a.kv_cache_dtype) == ("canopylabs/orpheus-3b-0.1-ft", "fp8", "fp8")
     assert (a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len) == (96, 4096, 2048)

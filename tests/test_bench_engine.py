@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
-from orpheus_tts_plugin.bench_figures import Utterance, capacity, play, summarize
 from orpheus_tts_plugin.cli import main as cli
-from orpheus_tts_plugin.decoder import ReferenceDecoder, load_snac, reference_decode
+from orpheus_tts_plugin.snac import load_snac
 from orpheus_tts_plugin.spec import SAMPLES_PER_FRAME
+from orpheus_tts_plugin.tools.bench.engine import reference_decoder
+from orpheus_tts_plugin.tools.bench.figures import Utterance, capacity, play, summarize
+from orpheus_tts_plugin.tools.bench.reference import ReferenceDecoder, reference_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 SECOND = 24_000  # samples
@@ -135,10 +137,10 @@ async def test_engine_runs_the_reference_scheme(test_model_dir: Path) -> None:
             backend="synthetic",
             snac=str(test_model_dir / "snac"),
             device="cpu",
-            decoder=decoder,
             synthetic=SyntheticConfig(min_frames=frames, frames_per_prompt_token=0.0),
         )
-        engine = OrpheusEngine(config)
+        # The reference scheme is a benchmark baseline: the bench injects it, the runtime never names it.
+        engine = OrpheusEngine(config, decoder=reference_decoder(config) if decoder == "reference" else None)
         try:
             lengths[decoder] = sum([c.num_samples async for c in engine.synthesize("Hello there.")])
         finally:
@@ -180,7 +182,7 @@ def test_bench_engine_synthetic_sweep_writes_figures_and_plots(tmp_path: Path, t
 
 
 def test_bench_engine_rejects_unknown_schemes() -> None:
-    from orpheus_tts_plugin.bench_engine import BenchOptions
+    from orpheus_tts_plugin.tools.bench.engine import BenchOptions
 
     with pytest.raises(ValueError, match="decode schemes"):
         BenchOptions(schemes=("fast",))

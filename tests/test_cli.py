@@ -67,7 +67,7 @@ def test_decode_streaming_and_offline_agree_and_match_say(said: Path, test_model
 
 
 def test_compare_fails_on_different_audio(said: Path, tmp_path: Path) -> None:
-    from orpheus_tts_plugin.cli import write_wav
+    from orpheus_tts_plugin.tools.wav import write_wav
 
     noisy = _wav(said / "a.wav").astype(int) + 100
     write_wav(tmp_path / "n.wav", np.clip(noisy, -32768, 32767).astype(np.int16))

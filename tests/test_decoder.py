@@ -7,16 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orpheus_tts_plugin.decoder import (
-    FADE_SAMPLES,
-    SNAC24_LATENCY,
-    NullDecoder,
-    StreamingDecoder,
-    load_snac,
-    offline_decode,
-    reference_decode,
-)
+from orpheus_tts_plugin.decoder import NullDecoder, StreamingDecoder
+from orpheus_tts_plugin.snac import FADE_SAMPLES, SNAC24_LATENCY, load_snac, offline_decode
 from orpheus_tts_plugin.spec import SAMPLES_PER_FRAME
+from orpheus_tts_plugin.tools.bench.reference import reference_decode
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ import pytest
 
 from orpheus_tts_plugin import EngineConfig, EngineOverloadedError, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
-from orpheus_tts_plugin.decoder import load_snac
-from orpheus_tts_plugin.replay import replay_offline
+from orpheus_tts_plugin.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE, SAMPLES_PER_FRAME
+from orpheus_tts_plugin.tools.replay import replay_offline
 
 TEXT = "Hello there. How are you today?"
 

@@ -7,10 +7,11 @@ import asyncio
 import pytest
 import torch
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest, SamplingParams
+from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.hf import HFBackend
+from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH, TOKENS_PER_FRAME
-from orpheus_tts_plugin.testmodel import make_test_model
+from orpheus_tts_plugin.tools.testmodel import make_test_model
 
 SPEC = ENGLISH
 GREEDY = SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0)
@@ -44,9 +45,7 @@ def prompt(n_text: int, seed: int) -> tuple[int, ...]:
     return (SPEC.start_of_human, SPEC.bos, *text, *SPEC.prompt_suffix())
 
 
-def request(
-    ids: tuple[int, ...], sampling: SamplingParams = GREEDY, max_new: int = 12, constrain: bool = False
-):
+def request(ids: tuple[int, ...], sampling: SamplingParams = GREEDY, max_new: int = 12, constrain: bool = False):
     return GenerationRequest(
         request_id=f"r{len(ids)}-{sampling.seed}",
         prompt_ids=ids,
@@ -71,8 +70,7 @@ def test_forward_matches_hf_prefill_and_batched_decode(orpheus_dir: str, referen
     prompts = [torch.tensor(prompt(n, seed=n)) for n in (3, 14, 29)]
     gen = torch.Generator().manual_seed(7)
     full = [
-        torch.cat([p, torch.randint(SPEC.first_audio_token, SPEC.vocab_size, (5,), generator=gen)])
-        for p in prompts
+        torch.cat([p, torch.randint(SPEC.first_audio_token, SPEC.vocab_size, (5,), generator=gen)]) for p in prompts
     ]
     with torch.no_grad():
         expected = [reference(f[None]).logits[0] for f in full]
@@ -158,9 +156,7 @@ async def test_seeded_request_reproduces(backend: HFBackend) -> None:
     req = request(prompt(8, 5), sampling, max_new=21, constrain=True)
     first, _ = await collect(backend.generate(req))
     # Again, now batched with an unseeded request that draws from the shared generator.
-    other = backend.generate(
-        request(prompt(12, 6), SamplingParams(temperature=1.0), max_new=30, constrain=True)
-    )
+    other = backend.generate(request(prompt(12, 6), SamplingParams(temperature=1.0), max_new=30, constrain=True))
     second, _ = await collect(backend.generate(req))
     await other.aclose()
     assert first == second and len(first) == 21

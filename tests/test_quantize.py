@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from orpheus_tts_plugin.quantize import (
+from orpheus_tts_plugin.spec import ENGLISH
+from orpheus_tts_plugin.tools.quantize import (
     CALIBRATION_TEXTS,
     add_arguments,
     calibration_prompts,
@@ -20,11 +21,17 @@ from orpheus_tts_plugin.quantize import (
     quantize,
     quantize_main,
 )
-from orpheus_tts_plugin.spec import ENGLISH
 
 SPEC = ENGLISH
-PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj")
+PROJ = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 CALIB = CALIBRATION_TEXTS[:3]
 
 
@@ -43,8 +50,20 @@ def quantized(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     calib.write_text("\n".join(CALIB) + "\n\n")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--model", str(model_dir), "--out", str(work / "fp8"), "--calib-file", str(calib),
-                              "--gen-tokens", "14", "--device", "cpu"])
+    args = parser.parse_args(
+        [
+            "--model",
+            str(model_dir),
+            "--out",
+            str(work / "fp8"),
+            "--calib-file",
+            str(calib),
+            "--gen-tokens",
+            "14",
+            "--device",
+            "cpu",
+        ]
+    )
     assert quantize_main(args) == 0
     return work / "fp8"
 
@@ -94,8 +113,13 @@ def test_config_declares_modelopt_fp8_and_keeps_llama3_rope(quantized: Path) -> 
     assert hf_quant["quant_algo"] == "FP8" and hf_quant["kv_cache_quant_algo"] == "FP8"
     # transformers 4.x (inside TensorRT-LLM and vLLM) reads these two fields, not `rope_parameters`
     assert cfg["rope_theta"] == 500000.0 and "rope_parameters" not in cfg
-    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert cfg["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     loaded = AutoConfig.from_pretrained(quantized)
     assert loaded.rope_parameters["rope_theta"] == 500000.0 and loaded.rope_parameters["rope_type"] == "llama3"
 
@@ -121,8 +145,8 @@ def test_calibration_continues_prompts_with_audio_ids_only(model_dir: Path) -> N
     assert tok.decode(prompts[1][2:8]).startswith(f"{SPEC.voices[1]}:")  # voices cycle
     seqs = calibration_sequences(model, prompts, SPEC, 10, seed=1)
     for p, seq in zip(prompts, seqs):
-        new = seq[len(p):]
-        assert tuple(seq[:len(p)]) == p and 1 <= len(new) <= 10
+        new = seq[len(p) :]
+        assert tuple(seq[: len(p)]) == p and 1 <= len(new) <= 10
         assert all(SPEC.first_audio_token <= i < SPEC.audio_token_end or i == SPEC.end_of_speech for i in new)
     assert calibration_sequences(model, prompts, SPEC, 10, seed=1) == seqs  # seeded
     assert calibration_sequences(model, prompts, SPEC, 0) == [list(p) for p in prompts]
@@ -144,8 +168,15 @@ def test_fp8_config_adds_kv_cache_quantizers() -> None:
 
 def test_tensorrt_llm_checkpoint_export(model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("modelopt.torch.quantization", reason="needs nvidia-modelopt")
-    out = quantize(str(model_dir), tmp_path / "trt", calib_texts=CALIB[:1], gen_tokens=7, fmt="trtllm",
-                   device="cpu", log=lambda _: None)
+    out = quantize(
+        str(model_dir),
+        tmp_path / "trt",
+        calib_texts=CALIB[:1],
+        gen_tokens=7,
+        fmt="trtllm",
+        device="cpu",
+        log=lambda _: None,
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization"]["quant_algo"] == "FP8" and cfg["quantization"]["kv_cache_quant_algo"] == "FP8"
     assert cfg["rotary_base"] == 500000.0 and cfg["rotary_scaling"]["type"] == "llama3"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME
-from orpheus_tts_plugin.testmodel import SNAC_24KHZ, write_snac, make_test_model
+from orpheus_tts_plugin.tools.testmodel import SNAC_24KHZ, make_test_model, write_snac
 
 
 @pytest.fixture(scope="module")

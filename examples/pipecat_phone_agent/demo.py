@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def ensure_test_model(directory: Path, snac: str = "tiny") -> Path:
     """`orpheus-tts make-test-model DIR --snac SNAC`, unless DIR already holds one."""
     if not (directory / "orpheus" / "config.json").exists() or not (directory / "snac").exists():
-        from orpheus_tts_plugin.testmodel import make_test_model
+        from orpheus_tts_plugin.tools.testmodel import make_test_model
 
         make_test_model(directory, snac=snac)
     return directory

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .base import BackendError, FinishReason, GenerationRequest, SamplingParams, TokenBackend, TokenStream
-
-if TYPE_CHECKING:
-    from ..engine import EngineConfig
-    from ..spec import ModelSpec
+from ..config import BACKENDS, EngineConfig
+from ..spec import ModelSpec, spec_for
+from .base import BackendError, FinishReason, GenerationRequest, TokenBackend, TokenStream
 
 __all__ = [
     "BackendError",
     "FinishReason",
     "GenerationRequest",
-    "SamplingParams",
     "TokenBackend",
     "TokenStream",
     "make_backend",
     "make_tokenizer",
 ]
-
-BACKENDS = ("hf", "synthetic", "trtllm", "vllm", "remote")
 
 
 def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBackend:
@@ -84,8 +79,6 @@ class ByteTokenizer:
 
 def make_tokenizer(config: EngineConfig) -> Any:
     """The model's Hugging Face tokenizer (or a byte stand-in for a model-less synthetic engine)."""
-    from ..spec import spec_for
-
     source = config.tokenizer or config.model
     if source is None:
         if config.backend != "synthetic":

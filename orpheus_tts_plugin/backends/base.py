@@ -9,30 +9,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from ..config import SamplingParams
 from ..mailbox import Mailbox
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Sampling parameters of one request (Baseten's production defaults)."""
-
-    temperature: float = 0.6
-    top_p: float = 0.8
-    repetition_penalty: float = 1.1
-    max_tokens: int = 6144
-    seed: int | None = None
-
-    def validate(self) -> SamplingParams:
-        """Raise ValueError on out-of-range values; return self."""
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        return self
 
 
 @dataclass(frozen=True)
@@ -87,6 +65,14 @@ class BackendError(RuntimeError):
     """The backend failed a request (the model crashed, the server went away)."""
 
 
+def check_loop(started_on: asyncio.AbstractEventLoop | None, name: str) -> None:
+    """BackendError unless the backend was started, and on the running loop (its streams live on that loop)."""
+    if started_on is None:
+        raise BackendError(f"{name} backend is not started")
+    if asyncio.get_running_loop() is not started_on:
+        raise BackendError(f"{name} backend: generate() must run on the loop that started it")
+
+
 class RequestCounts:
     """Live requests and outcome counters of a backend that forwards requests to another engine."""
 
@@ -99,6 +85,13 @@ class RequestCounts:
     def started(self) -> None:
         self.counts["requests"] += 1
         self.live += 1
+
+    def add_tokens(self, n: int) -> None:
+        self.counts["tokens"] += n
+
+    def failed_to_start(self) -> None:
+        """A request the other engine refused before it began."""
+        self.counts["errors"] += 1
 
     def ended(self, reason: str) -> None:
         self.live -= 1
@@ -169,6 +162,7 @@ class SteppedBackend:
         self._abort_requested_at: dict[_StepStream, int] = {}
         self._counters: collections.Counter[str] = collections.Counter()
         self._max_steps_to_abort = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- subclass hooks (run on the stepping thread) --
     def _load(self) -> None:
@@ -212,10 +206,7 @@ class SteppedBackend:
         await ready
 
     def generate(self, req: GenerationRequest) -> _StepStream:
-        if not self._running:
-            raise BackendError(f"{self.name} backend is not running")
-        if asyncio.get_running_loop() is not self._loop:
-            raise BackendError(f"{self.name} backend: generate() must run on the loop that started it")
+        check_loop(self._loop if self._running else None, self.name)
         stream = _StepStream(self, req)
         with self._cv:
             self._pending.append(stream)

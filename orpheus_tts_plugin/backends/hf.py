@@ -39,7 +39,7 @@ class HFBackend(SteppedBackend):
 
     def __init__(
         self,
-        model: str,
+        model: str | torch.nn.Module,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
         max_batch_size: int = 64,
@@ -49,7 +49,8 @@ class HFBackend(SteppedBackend):
         super().__init__(max_batch_size)
         if max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
-        self.model_name = model
+        self.model_name = model if isinstance(model, str) else type(model).__name__
+        self._preloaded = None if isinstance(model, str) else model
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.max_seq_len = max_seq_len
@@ -59,10 +60,13 @@ class HFBackend(SteppedBackend):
     # -- model --
     @torch.inference_mode()
     def _load(self) -> None:
-        """Load the model, allocate the KV cache and the audio-only lm_head tables."""
-        from transformers import AutoModelForCausalLM
+        """Load the model (or take the preloaded one), allocate the KV cache and the audio-only lm_head tables."""
+        if self._preloaded is not None:
+            model = self._preloaded.to(dtype=self.dtype)
+        else:
+            from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_name, dtype=self.dtype)
+            model = AutoModelForCausalLM.from_pretrained(self.model_name, dtype=self.dtype)
         self.model = model.to(self.device).eval()
         cfg = self.model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -76,9 +80,7 @@ class HFBackend(SteppedBackend):
         # Audio-only head: sub-vocab index j < 7*4096 is id first_audio_token + j; the last is end of speech.
         spec, n_audio = self.spec, TOKENS_PER_FRAME * CODEBOOK_SIZE
         self.audio_lo = spec.first_audio_token
-        self.audio_ids = torch.cat(
-            [torch.arange(self.audio_lo, self.audio_lo + n_audio), torch.tensor([spec.end_of_speech])]
-        ).to(self.device)
+        self.audio_ids = torch.tensor(spec.audio_ids, device=self.device)
         self.audio_phase = torch.cat(  # frame position at which each sub-vocab id is allowed
             [torch.arange(n_audio) // CODEBOOK_SIZE, torch.tensor([0])]
         ).to(self.device)
@@ -117,9 +119,7 @@ class HFBackend(SteppedBackend):
             vc[slots_t[:, None], :, pos] = v.transpose(1, 2)
             if not dense:
                 q = q.new_zeros(window, *q.shape[1:]).index_copy_(0, rows, q)
-            o = F.scaled_dot_product_attention(
-                q, kc[lo:hi, :, :L], vc[lo:hi, :, :L], attn_mask=mask, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(q, kc[lo:hi, :, :L], vc[lo:hi, :, :L], attn_mask=mask, enable_gqa=True)
             if not dense:
                 o = o[rows]
             x = x + attn.o_proj(o.transpose(1, 2).reshape(n, T, -1))

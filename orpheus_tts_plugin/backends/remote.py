@@ -5,9 +5,7 @@ serve`) behind a load balancer. Prompts go out as token ids where the server acc
 where the server streams them (trtllm-serve with `detokenize: false`, vLLM with `return_token_ids`), otherwise
 `<custom_token_N>` is parsed from the streamed text (id = 128256 + N). One `aiohttp.ClientSession` per backend
 (the engine is process-wide, so one per process); closing a stream closes its HTTP response, which makes the
-server abort the request. Tested here against a real `transformers serve` on 127.0.0.1 (dialect
-"transformers"); the "vllm" and "trtllm" dialects follow those servers' documented request fields and have NOT
-been run against real vLLM or trtllm-serve servers.
+server abort the request. What has and has not run of it, and against which servers: docs/backends.md.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the remote backend needs aiohttp: pip install 'orpheus-tts-plugin[remote]'") from exc
 
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, RequestCounts
+from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop
 
 # How each server family wants a completion request: prompt as ids or text, and which non-OpenAI fields it takes
 # (trtllm-serve and transformers serve reject unknown fields, so each dialect sends only what its server knows).
@@ -56,7 +54,7 @@ class CustomTokenText:
         ids: list[int] = []
         pos = 0
         for m in _CUSTOM.finditer(s):
-            if s[pos:m.start()].strip():
+            if s[pos : m.start()].strip():
                 ids.append(self.other)
             ids.append(self.base + int(m.group(1)))
             pos = m.end()
@@ -74,7 +72,7 @@ def _is_partial(fragment: str) -> bool:
     """True if `fragment` could still grow into `<custom_token_N>`."""
     if len(fragment) <= len(_CUSTOM_PREFIX):
         return _CUSTOM_PREFIX.startswith(fragment)
-    return fragment.startswith(_CUSTOM_PREFIX) and fragment[len(_CUSTOM_PREFIX):].isdigit()
+    return fragment.startswith(_CUSTOM_PREFIX) and fragment[len(_CUSTOM_PREFIX) :].isdigit()
 
 
 def _base_url(url: str) -> str:
@@ -126,7 +124,7 @@ class RemoteBackend:
         self.extra_body = dict(extra_body or {})
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._allowed_json = json.dumps([*range(spec.first_audio_token, spec.audio_token_end), spec.end_of_speech])
+        self._allowed_json = json.dumps(spec.audio_ids)
         self._requests = RequestCounts("retries")
 
     async def start(self) -> None:
@@ -136,8 +134,9 @@ class RemoteBackend:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.max_connections),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
-                                          sock_read=self.read_timeout_s),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
+            ),
             headers=headers,
         )
         if self.dialect == "transformers" and isinstance(self.tokenizer, str):
@@ -168,15 +167,25 @@ class RemoteBackend:
     def request_body(self, req: GenerationRequest) -> str:
         """The JSON body of one streaming completion request in this backend's dialect."""
         s = req.sampling
-        stop = list(dict.fromkeys((self.spec.end_of_speech, *req.stop_ids)))
-        body: dict[str, Any] = {"model": self.model, "max_tokens": req.max_new_tokens, "stream": True,
-                                "temperature": s.temperature, "top_p": s.top_p}
+        stop = list(self.spec.stop_ids(req.stop_ids))
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": req.max_new_tokens,
+            "stream": True,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+        }
         if s.seed is not None:
             body["seed"] = s.seed
         if self.dialect == "transformers":
             body["prompt"] = self.tokenizer.decode(list(req.prompt_ids), skip_special_tokens=False)
-            gen = {"do_sample": s.temperature > 0, "repetition_penalty": s.repetition_penalty,
-                   "eos_token_id": stop, "pad_token_id": self.spec.pad, "bos_token_id": self.spec.bos}
+            gen = {
+                "do_sample": s.temperature > 0,
+                "repetition_penalty": s.repetition_penalty,
+                "eos_token_id": stop,
+                "pad_token_id": self.spec.pad,
+                "bos_token_id": self.spec.bos,
+            }
             if s.temperature > 0:
                 gen.update(temperature=s.temperature, top_p=s.top_p)
             body["generation_config"] = json.dumps(gen)
@@ -195,12 +204,9 @@ class RemoteBackend:
         return text
 
     def generate(self, req: GenerationRequest) -> RemoteStream:
-        if self._session is None:
-            raise BackendError("remote backend is not started")
-        if asyncio.get_running_loop() is not self._loop:
-            raise BackendError("remote backend: generate() must run on the loop that started it")
+        check_loop(self._loop if self._session is not None else None, self.name)
         self._requests.started()
-        return RemoteStream(self, req)
+        return RemoteStream(self._session, self, req, self._requests)
 
     def stats(self) -> dict[str, Any]:
         return self._requests.stats(self.name, url=self.url)
@@ -210,15 +216,20 @@ class RemoteBackend:
         if session is not None:
             await session.close()
 
+
 class RemoteStream:
     """New ids of one remote request, one SSE event at a time; `aclose()` closes the HTTP response."""
 
-    def __init__(self, backend: RemoteBackend, req: GenerationRequest):
+    def __init__(
+        self, session: aiohttp.ClientSession, backend: RemoteBackend, req: GenerationRequest, counts: RequestCounts
+    ):
         self.req = req
         self.finish_reason: str | None = None
-        self._backend = backend
+        self._session = session
+        self._backend = backend  # read only: its request settings
+        self._counts = counts
         self._resp: aiohttp.ClientResponse | None = None
-        self._stop = frozenset((backend.spec.end_of_speech, *req.stop_ids))
+        self._stop = frozenset(backend.spec.stop_ids(req.stop_ids))
         self._text = CustomTokenText(backend.spec.custom_token_base, backend.spec.pad)
         self._ended = False  # no more ids: finish seen, failed or closed
         self._drain_pending = False
@@ -251,7 +262,7 @@ class RemoteStream:
                 self._drain_pending = True
             ids = [i for i in ids if i not in self._stop]
             if ids:
-                self._backend._requests.counts["tokens"] += len(ids)
+                self._counts.add_tokens(len(ids))
                 return ids
         if self._drain_pending:
             self._drain_pending = False
@@ -274,12 +285,12 @@ class RemoteStream:
         err: BaseException | None = None
         for attempt in range(b.connect_retries + 1):
             if attempt:
-                b._requests.counts["retries"] += 1
+                self._counts.counts["retries"] += 1
                 await asyncio.sleep(b.retry_backoff_s * 2 ** (attempt - 1))
             if self._ended:  # closed while retrying
                 raise StopAsyncIteration
             try:
-                resp = await b._session.post(b.endpoint, data=body, headers=headers)
+                resp = await self._session.post(b.endpoint, data=body, headers=headers)
             except aiohttp.ClientConnectionError as exc:
                 err = exc
                 continue
@@ -330,7 +341,7 @@ class RemoteStream:
     def _end(self, reason: str) -> None:
         self._ended = True
         self.finish_reason = reason
-        self._backend._requests.ended(reason)
+        self._counts.ended(reason)
 
     def _fail(self, message: str) -> None:
         if not self._ended:

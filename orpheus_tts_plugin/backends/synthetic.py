@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..config import SyntheticConfig
 from ..spec import CODEBOOK_SIZE, ENGLISH, TOKENS_PER_FRAME, ModelSpec
 from .base import FinishReason, GenerationRequest, SteppedBackend
-
-
-@dataclass(frozen=True)
-class SyntheticConfig:
-    """How the synthetic model behaves.
-
-    `frames_per_prompt_token` sets the utterance length from the prompt length (real speech
-    is about 1.5 frames per text token); `fault_every` > 0 replaces every Nth id with a
-    non-audio id, to exercise the parser's recovery through the whole engine.
-    """
-
-    tokens_per_second: float = 0.0  # per stream; 0 = as fast as the thread can step
-    frames_per_prompt_token: float = 1.5
-    min_frames: int = 4
-    fault_every: int = 0
 
 
 class SyntheticBackend(SteppedBackend):

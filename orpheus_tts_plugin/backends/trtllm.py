@@ -1,10 +1,6 @@
 """TensorRT-LLM backend (LLM API, PyTorch backend): FP8 weights and FP8 KV cache on Hopper, the production path.
 
-Written against the TensorRT-LLM 1.2 LLM API (`LLM`, `KvCacheConfig`, `CudaGraphConfig`, `SamplingParams`,
-`generate_async(..., streaming=True)`, `GenerationResult.abort()`). NOT RUN HERE: TensorRT-LLM has never been
-imported or executed in this project's development or CI, and no GPU was ever used; the tests drive this module
-through a stand-in that follows the documented 1.2 signatures. Load a pre-quantised FP8 checkpoint made with
-`orpheus-tts quantize` (NVIDIA ModelOpt).
+What has and has not run of it, and against what: docs/backends.md.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, RequestCounts
+from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +42,9 @@ def import_trtllm() -> SimpleNamespace:
         from tensorrt_llm.llmapi import CudaGraphConfig
     except ImportError:  # renamed after 1.2
         from tensorrt_llm.llmapi import DecodeCudaGraphConfig as CudaGraphConfig
-    return SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams, KvCacheConfig=KvCacheConfig,
-                           CudaGraphConfig=CudaGraphConfig)
+    return SimpleNamespace(
+        LLM=LLM, SamplingParams=SamplingParams, KvCacheConfig=KvCacheConfig, CudaGraphConfig=CudaGraphConfig
+    )
 
 
 def audio_bias(spec: ModelSpec, vocab_size: int) -> Any:
@@ -57,8 +54,7 @@ def audio_bias(spec: ModelSpec, vocab_size: int) -> Any:
     if vocab_size < spec.audio_token_end:
         raise ValueError(f"vocab_size {vocab_size} is smaller than the audio id range end {spec.audio_token_end}")
     bias = torch.full((vocab_size,), FORBIDDEN_BIAS, dtype=torch.float32)
-    bias[spec.first_audio_token:spec.audio_token_end] = 0.0
-    bias[spec.end_of_speech] = 0.0
+    bias[list(spec.audio_ids)] = 0.0
     return bias
 
 
@@ -125,8 +121,9 @@ class TrtllmBackend:
             graphs = t.CudaGraphConfig(max_batch_size=self.max_batch_size, enable_padding=True)
         args: dict[str, Any] = {
             "model": self.model,
-            "kv_cache_config": t.KvCacheConfig(dtype=self.kv_cache_dtype,
-                                               free_gpu_memory_fraction=self.kv_cache_fraction),
+            "kv_cache_config": t.KvCacheConfig(
+                dtype=self.kv_cache_dtype, free_gpu_memory_fraction=self.kv_cache_fraction
+            ),
             "max_batch_size": self.max_batch_size,
             "max_num_tokens": self.max_num_tokens,
             "max_seq_len": self.max_seq_len,
@@ -140,7 +137,7 @@ class TrtllmBackend:
     def sampling_params(self, req: GenerationRequest) -> Any:
         """The `tensorrt_llm.SamplingParams` of one request: ids out only, stop at end of speech."""
         s = req.sampling
-        stop = list(dict.fromkeys((self.spec.end_of_speech, *req.stop_ids)))
+        stop = list(self.spec.stop_ids(req.stop_ids))
         return self._t.SamplingParams(
             max_tokens=req.max_new_tokens,
             end_id=self.spec.end_of_speech,
@@ -164,18 +161,15 @@ class TrtllmBackend:
         self._llm = await asyncio.to_thread(self._t.LLM, **self.llm_args())
 
     def generate(self, req: GenerationRequest) -> TrtllmStream:
-        if self._llm is None:
-            raise BackendError("trtllm backend is not started")
-        if asyncio.get_running_loop() is not self._loop:
-            raise BackendError("trtllm backend: generate() must run on the loop that started it")
+        check_loop(self._loop if self._llm is not None else None, self.name)
         params = self.sampling_params(req)
         try:
             result = self._llm.generate_async(list(req.prompt_ids), sampling_params=params, streaming=True)
         except Exception as exc:  # a rejected request must not take the engine down
-            self._requests.counts["errors"] += 1
+            self._requests.failed_to_start()
             raise BackendError(f"trtllm rejected request {req.request_id}: {exc}") from exc
         self._requests.started()
-        return TrtllmStream(self, req, result)
+        return TrtllmStream(req, result, self.spec.stop_ids(req.stop_ids), self._requests)
 
     def stats(self) -> dict[str, Any]:
         return self._requests.stats(self.name)
@@ -185,15 +179,16 @@ class TrtllmBackend:
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
 
+
 class TrtllmStream:
     """New ids of one TensorRT-LLM request (`token_ids_diff` per step); `aclose()` calls `result.abort()`."""
 
-    def __init__(self, backend: TrtllmBackend, req: GenerationRequest, result: Any):
+    def __init__(self, req: GenerationRequest, result: Any, stop_ids: tuple[int, ...], counts: RequestCounts):
         self.req = req
         self.result = result
         self.finish_reason: str | None = None
-        self._backend = backend
-        self._stop = frozenset((backend.spec.end_of_speech, *req.stop_ids))
+        self._counts = counts
+        self._stop = frozenset(stop_ids)
 
     def __aiter__(self) -> TrtllmStream:
         return self
@@ -221,7 +216,7 @@ class TrtllmStream:
                     ids.pop()
                 self._finish(_FINISH.get(completion.finish_reason, FinishReason.ERROR))
             if ids:
-                self._backend._requests.counts["tokens"] += len(ids)
+                self._counts.add_tokens(len(ids))
                 return ids
         raise StopAsyncIteration
 
@@ -236,4 +231,4 @@ class TrtllmStream:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
-        self._backend._requests.ended(reason)
+        self._counts.ended(reason)

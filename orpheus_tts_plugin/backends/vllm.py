@@ -1,9 +1,6 @@
 """vLLM backend: the v1 engine's `AsyncLLM` with FP8 weights and FP8 KV cache, token-id prompts, delta outputs.
 
-Written against vLLM's documented API (`AsyncEngineArgs`, `AsyncLLM.from_engine_args`, `TokensPrompt`,
-`SamplingParams(output_kind=RequestOutputKind.DELTA, allowed_token_ids=...)`, `AsyncLLM.generate/abort`).
-NOT RUN HERE: vLLM has never been imported or executed in this project's development or CI, and no GPU was
-ever used; the tests drive this module through a stand-in that follows those signatures.
+What has and has not run of it, and against what: docs/backends.md.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import Any
 
 from ..mailbox import Mailbox
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, RequestCounts
+from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +40,6 @@ def import_vllm() -> SimpleNamespace:
         TokensPrompt=TokensPrompt,
         RequestOutputKind=RequestOutputKind,
     )
-
-
-def audio_ids(spec: ModelSpec) -> list[int]:
-    """Every audio id (all 7 frame positions) plus end of speech: what constrained sampling may emit."""
-    return [*range(spec.first_audio_token, spec.audio_token_end), spec.end_of_speech]
 
 
 def is_prequantized(model: str) -> bool:
@@ -97,7 +89,7 @@ class VllmBackend:
         self.engine_kwargs = dict(engine_kwargs or {})
         self._engine: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._allowed = audio_ids(spec)
+        self._allowed = list(spec.audio_ids)
         self._requests = RequestCounts()
 
     def engine_args(self) -> Any:
@@ -129,7 +121,7 @@ class VllmBackend:
             repetition_penalty=s.repetition_penalty,
             seed=s.seed,
             max_tokens=req.max_new_tokens,
-            stop_token_ids=list(dict.fromkeys((self.spec.end_of_speech, *req.stop_ids))),
+            stop_token_ids=list(self.spec.stop_ids(req.stop_ids)),
             detokenize=False,
             skip_special_tokens=False,
             allowed_token_ids=self._allowed if constrained else None,
@@ -144,14 +136,11 @@ class VllmBackend:
         self._engine = await asyncio.to_thread(self._v.AsyncLLM.from_engine_args, args)
 
     def generate(self, req: GenerationRequest) -> VllmStream:
-        if self._engine is None:
-            raise BackendError("vllm backend is not started")
-        if asyncio.get_running_loop() is not self._loop:
-            raise BackendError("vllm backend: generate() must run on the loop that started it")
+        check_loop(self._loop if self._engine is not None else None, self.name)
         prompt = self._v.TokensPrompt(prompt_token_ids=list(req.prompt_ids))
         outputs = self._engine.generate(prompt, self.sampling_params(req), req.request_id)
         self._requests.started()
-        return VllmStream(self, req, outputs)
+        return VllmStream(self._engine, req, outputs, self.spec.stop_ids(req.stop_ids), self._requests)
 
     def stats(self) -> dict[str, Any]:
         return self._requests.stats(self.name)
@@ -161,14 +150,18 @@ class VllmBackend:
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
 
+
 class VllmStream:
     """New ids of one vLLM request. A task pumps vLLM's generator, so `aclose()` can abort from any task."""
 
-    def __init__(self, backend: VllmBackend, req: GenerationRequest, outputs: Any):
+    def __init__(
+        self, engine: Any, req: GenerationRequest, outputs: Any, stop_ids: tuple[int, ...], counts: RequestCounts
+    ):
         self.req = req
         self.finish_reason: str | None = None
-        self._backend = backend
-        self._stop = frozenset((backend.spec.end_of_speech, *req.stop_ids))
+        self._engine = engine
+        self._counts = counts
+        self._stop = frozenset(stop_ids)
         self._box: Mailbox[list[int]] = Mailbox()
         self._pump = asyncio.get_running_loop().create_task(self._run(outputs))
 
@@ -185,12 +178,10 @@ class VllmStream:
         self._finish(FinishReason.ABORTED)
         self._box.clear()
         self._pump.cancel()
-        engine = self._backend._engine
-        if engine is not None:
-            try:
-                await engine.abort(self.req.request_id)
-            except Exception:  # the engine may have finished or shut down meanwhile
-                log.debug("vllm abort of %s failed", self.req.request_id, exc_info=True)
+        try:
+            await self._engine.abort(self.req.request_id)
+        except Exception:  # the engine may have finished or shut down meanwhile
+            log.debug("vllm abort of %s failed", self.req.request_id, exc_info=True)
 
     async def _run(self, outputs: Any) -> None:
         try:
@@ -214,11 +205,11 @@ class VllmStream:
             return
         if ids:
             self._box.put(ids)
-            self._backend._requests.counts["tokens"] += len(ids)
+            self._counts.add_tokens(len(ids))
         if finish is not None:
             self._finish(finish, error)
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         self.finish_reason = reason
-        self._backend._requests.ended(reason)
+        self._counts.ended(reason)
         self._box.end(error)

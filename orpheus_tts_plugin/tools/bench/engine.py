@@ -19,16 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .bench import _cpu_timed, run_metadata
-from .bench_figures import Utterance, capacity, report, summarize
-from .bench_utterances import UTTERANCES
-from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from ...spec import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from .common import cpu_timed, run_metadata
+from .figures import Utterance, capacity, report, summarize
+from .utterances import UTTERANCES
 
 if TYPE_CHECKING:
-    from .backends.base import TokenBackend
-    from .engine import EngineConfig, OrpheusEngine
+    from ...backends.base import TokenBackend
+    from ...config import EngineConfig
+    from ...decoder import FrameDecoder
+    from ...engine import OrpheusEngine
 
-SCHEMES = {"project": "snac", "reference": "reference", "null": "null"}  # decode scheme → EngineConfig.decoder
+# decode scheme → EngineConfig.decoder (the reference scheme is injected over the config's SNAC)
+SCHEMES = {"project": "snac", "reference": "snac", "null": "null"}
 TRAFFIC = ("constant", "variable")
 
 
@@ -67,8 +70,7 @@ class BenchOptions:
 
     def engine_config(self, scheme: str) -> EngineConfig:
         """The engine that runs `scheme`; admission and batch limits sized so the sweep itself never queues."""
-        from .backends.synthetic import SyntheticConfig
-        from .engine import EngineConfig
+        from ...config import EngineConfig, SyntheticConfig
 
         return EngineConfig(
             model=self.model,
@@ -96,9 +98,9 @@ class BenchOptions:
 
 def expected_audio_s(text: str, opts: BenchOptions) -> float:
     """Audio seconds of `text` if every piece runs to its token budget (the length random weights produce)."""
-    from .backends.base import SamplingParams
-    from .prompt import token_budget
-    from .text import split_sentences
+    from ...config import SamplingParams
+    from ...prompt import token_budget
+    from ...text import split_sentences
 
     cap = SamplingParams().max_tokens
     tokens = sum(token_budget(p, opts.budget_per_char, opts.budget_base, cap)[0] for p in split_sentences(text))
@@ -109,7 +111,7 @@ def expected_audio_s(text: str, opts: BenchOptions) -> float:
 
 
 async def _speak(engine: OrpheusEngine, text: str, rec: Utterance) -> None:
-    from .engine import EngineOverloadedError
+    from ...errors import EngineOverloadedError
 
     try:
         async for chunk in engine.synthesize(text):
@@ -196,7 +198,13 @@ async def _settle(engine: OrpheusEngine, timeout_s: float = 10.0) -> None:
 
 
 def run_point(
-    engine: OrpheusEngine, opts: BenchOptions, traffic: str, level: float, rate: float | None, bar: Any = None
+    engine: OrpheusEngine,
+    opts: BenchOptions,
+    traffic: str,
+    level: float,
+    rate: float | None,
+    bar: Any = None,
+    scheme: str = "project",
 ) -> dict[str, Any]:
     """Drive `engine` with one traffic pattern at one level; the point's figures."""
     drain = opts.duration_s if opts.drain_s is None else opts.drain_s
@@ -216,11 +224,11 @@ def run_point(
                 ticker.cancel()
             await _settle(engine)
 
-    cpu, wall, records = _cpu_timed(lambda: asyncio.run(drive()))
+    cpu, wall, records = cpu_timed(lambda: asyncio.run(drive()))
     after = engine.stats()
     tokens = after.get("tokens", 0) - before.get("tokens", 0)
     decoded = after.get("decoded_frames", 0) - before.get("decoded_frames", 0)
-    point = {"traffic": traffic, "scheme": _scheme(engine), "concurrency": level, "rate_per_s": rate}
+    point = {"traffic": traffic, "scheme": scheme, "concurrency": level, "rate_per_s": rate}
     point.update(summarize(records, wall, cpu, tokens, opts.ttfb_sla_ms))
     point["decoder_calls"] = after.get("decoder_calls", 0) - before.get("decoder_calls", 0)
     audio_frames = point["audio_s"] * SAMPLE_RATE / SAMPLES_PER_FRAME
@@ -235,8 +243,12 @@ async def _tick(bar: Any, engine: OrpheusEngine) -> None:
         await asyncio.sleep(0.5)
 
 
-def _scheme(engine: OrpheusEngine) -> str:
-    return next(k for k, v in SCHEMES.items() if v == engine.config.decoder)
+def reference_decoder(config: EngineConfig) -> FrameDecoder:
+    """The reference 4-frame-window scheme on the config's SNAC, for `--decode-scheme reference`."""
+    from ...snac import load_snac
+    from .reference import ReferenceDecoder
+
+    return ReferenceDecoder(load_snac(config.snac, config.resolved_device(), noise_seed=config.noise_seed))
 
 
 async def _warm(engine: OrpheusEngine) -> None:
@@ -247,21 +259,26 @@ async def _warm(engine: OrpheusEngine) -> None:
 
 def run(opts: BenchOptions, make_backend: Callable[[], TokenBackend] | None = None) -> dict[str, Any]:
     """The whole sweep, every scheme on its own engine in turn; `make_backend` overrides the configured one."""
-    from .engine import OrpheusEngine
+    from ...engine import OrpheusEngine
 
     meta = run_metadata()
     points: list[dict[str, Any]] = []
     total = len(opts.schemes) * sum(len(opts.levels(t)) for t in opts.traffic)
     with _progress(total, opts.progress) as bar:
         for scheme in opts.schemes:
-            engine = OrpheusEngine(opts.engine_config(scheme), backend=make_backend() if make_backend else None)
+            config = opts.engine_config(scheme)
+            engine = OrpheusEngine(
+                config,
+                backend=make_backend() if make_backend else None,
+                decoder=reference_decoder(config) if scheme == "reference" else None,
+            )
             try:
                 asyncio.run(_warm(engine))
                 for traffic in opts.traffic:
                     for level, rate in opts.levels(traffic):
                         if bar is not None:
                             bar.set_description(f"{traffic} {scheme} N={level:g}")
-                        points.append(run_point(engine, opts, traffic, level, rate, bar))
+                        points.append(run_point(engine, opts, traffic, level, rate, bar, scheme))
                         if bar is not None:
                             bar.update()
             finally:

@@ -5,9 +5,7 @@ gets FP8 scales, calibrated ("max") on ~32 varied Orpheus prompts, each followed
 itself generates: serving time is spent on audio positions, so their activation and K/V ranges must be seen.
 Output: a Hugging Face checkpoint with `hf_quant_config.json` (loaded by the TensorRT-LLM PyTorch backend and
 by vLLM) or, with fmt="trtllm", a TensorRT-LLM checkpoint for the legacy engine-build flow.
-
-Run here for real, on CPU, on the tiny test model (nvidia-modelopt 0.47, torch CPU). NOT run here: the real
-3B model (needs a GPU for a reasonable run time) and loading the exported checkpoint into TensorRT-LLM or vLLM.
+What has and has not run of it: docs/backends.md.
 """
 
 from __future__ import annotations
@@ -21,8 +19,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .prompt import prompt_ids
-from .spec import ModelSpec, spec_for
+from ..prompt import prompt_ids
+from ..spec import ModelSpec, spec_for
 
 INSTALL_HINT = "FP8 quantisation needs NVIDIA ModelOpt: pip install nvidia-modelopt (it is in the TensorRT-LLM image)"
 FORMATS = ("hf", "trtllm")
@@ -71,8 +69,11 @@ def import_modelopt() -> SimpleNamespace:
         from modelopt.torch.export import export_hf_checkpoint, export_tensorrt_llm_checkpoint
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} (import failed: {exc})") from exc
-    return SimpleNamespace(mtq=mtq, export_hf_checkpoint=export_hf_checkpoint,
-                           export_tensorrt_llm_checkpoint=export_tensorrt_llm_checkpoint)
+    return SimpleNamespace(
+        mtq=mtq,
+        export_hf_checkpoint=export_hf_checkpoint,
+        export_tensorrt_llm_checkpoint=export_tensorrt_llm_checkpoint,
+    )
 
 
 def fp8_config(mtq: Any, kv_cache: bool = True) -> dict[str, Any]:
@@ -93,8 +94,14 @@ def calibration_prompts(tokenizer: Any, spec: ModelSpec, texts: Sequence[str]) -
     return [prompt_ids(tokenizer, spec, text, voices[i % len(voices)]) for i, text in enumerate(texts)]
 
 
-def calibration_sequences(model: Any, prompts: Sequence[tuple[int, ...]], spec: ModelSpec, gen_tokens: int,
-                          seed: int = 0, batch_size: int = 32) -> list[list[int]]:
+def calibration_sequences(
+    model: Any,
+    prompts: Sequence[tuple[int, ...]],
+    spec: ModelSpec,
+    gen_tokens: int,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> list[list[int]]:
     """Each prompt followed by up to `gen_tokens` audio ids the model samples itself (production sampling)."""
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -104,8 +111,7 @@ def calibration_sequences(model: Any, prompts: Sequence[tuple[int, ...]], spec: 
 
     device = next(model.parameters()).device
     bias = torch.full((model.config.vocab_size,), float("-inf"), device=device)
-    bias[spec.first_audio_token:spec.audio_token_end] = 0.0
-    bias[spec.end_of_speech] = 0.0
+    bias[list(spec.audio_ids)] = 0.0
 
     class AudioOnly(LogitsProcessor):
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -115,22 +121,28 @@ def calibration_sequences(model: Any, prompts: Sequence[tuple[int, ...]], spec: 
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         for start in range(0, len(prompts), batch_size):
-            batch = prompts[start:start + batch_size]
+            batch = prompts[start : start + batch_size]
             width = max(len(p) for p in batch)
             ids = torch.full((len(batch), width), spec.pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for row, p in enumerate(batch):  # left padding: generation continues every row at the same column
-                ids[row, width - len(p):] = torch.tensor(p)
-                mask[row, width - len(p):] = 1
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
             gen = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=gen_tokens,
-                do_sample=True, temperature=0.6, top_p=0.8, repetition_penalty=1.1,
-                eos_token_id=spec.end_of_speech, pad_token_id=spec.pad,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=gen_tokens,
+                do_sample=True,
+                temperature=0.6,
+                top_p=0.8,
+                repetition_penalty=1.1,
+                eos_token_id=spec.end_of_speech,
+                pad_token_id=spec.pad,
                 logits_processor=LogitsProcessorList([AudioOnly()]),
             )[:, width:].tolist()
             for p, new in zip(batch, gen):
                 if spec.end_of_speech in new:
-                    new = new[:new.index(spec.end_of_speech) + 1]
+                    new = new[: new.index(spec.end_of_speech) + 1]
                 out.append([*p, *new])
     return out
 
@@ -184,13 +196,22 @@ def quantize(
         if fmt == "hf":
             mo.export_hf_checkpoint(lm, dtype=torch_dtype, export_dir=out)
         else:
-            mo.export_tensorrt_llm_checkpoint(lm, decoder_type="llama", dtype=torch_dtype, export_dir=out,
-                                              inference_tensor_parallel=1)
+            mo.export_tensorrt_llm_checkpoint(
+                lm, decoder_type="llama", dtype=torch_dtype, export_dir=out, inference_tensor_parallel=1
+            )
     _write_rope_fields(out, fmt, *_rope(lm.config))
     tokenizer.save_pretrained(out)
-    record = {"source": model, "format": fmt, "weights": "fp8", "kv_cache": "fp8" if kv_cache else None,
-              "calibration_prompts": len(sequences), "calibration_tokens": n_tokens, "gen_tokens": gen_tokens,
-              "seed": seed, "modelopt": _version("nvidia-modelopt")}
+    record = {
+        "source": model,
+        "format": fmt,
+        "weights": "fp8",
+        "kv_cache": "fp8" if kv_cache else None,
+        "calibration_prompts": len(sequences),
+        "calibration_tokens": n_tokens,
+        "gen_tokens": gen_tokens,
+        "seed": seed,
+        "modelopt": _version("nvidia-modelopt"),
+    }
     (out / "orpheus_quantization.json").write_text(json.dumps(record, indent=2) + "\n")
     log(f"wrote FP8 {fmt} checkpoint to {out} in {time.monotonic() - t0:.1f} s")
     return out
@@ -243,11 +264,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `orpheus-tts quantize` options."""
     parser.add_argument("--model", required=True, help="Orpheus checkpoint: hub id or local directory")
     parser.add_argument("--out", required=True, help="output directory for the FP8 checkpoint")
-    parser.add_argument("--format", choices=FORMATS, default="hf",
-                        help="hf: for TensorRT-LLM (PyTorch backend) and vLLM; trtllm: TensorRT engine-build flow")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="hf",
+        help="hf: for TensorRT-LLM (PyTorch backend) and vLLM; trtllm: TensorRT engine-build flow",
+    )
     parser.add_argument("--calib-file", help="calibration texts, one per line (default: the built-in set of 32)")
-    parser.add_argument("--gen-tokens", type=int, default=256,
-                        help="audio tokens generated after each calibration prompt (0: prompts only)")
+    parser.add_argument(
+        "--gen-tokens",
+        type=int,
+        default=256,
+        help="audio tokens generated after each calibration prompt (0: prompts only)",
+    )
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the unquantised parts")
     parser.add_argument("--no-kv-cache", action="store_true", help="leave the KV cache unquantised")
@@ -260,6 +289,16 @@ def quantize_main(args: argparse.Namespace) -> int:
     texts = None
     if args.calib_file:
         texts = [line.strip() for line in Path(args.calib_file).read_text().splitlines() if line.strip()]
-    quantize(args.model, args.out, calib_texts=texts, model_family=args.model_family, gen_tokens=args.gen_tokens,
-             fmt=args.format, device=args.device, dtype=args.dtype, kv_cache=not args.no_kv_cache, seed=args.seed)
+    quantize(
+        args.model,
+        args.out,
+        calib_texts=texts,
+        model_family=args.model_family,
+        gen_tokens=args.gen_tokens,
+        fmt=args.format,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache=not args.no_kv_cache,
+        seed=args.seed,
+    )
     return 0

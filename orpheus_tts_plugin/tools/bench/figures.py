@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .bench import print_rows, print_table, write_json
-from .spec import SAMPLE_RATE
+from ...spec import SAMPLE_RATE
+from .common import print_rows, print_table, write_json
 
 # ------------------------------------------------------------------------------------------ player
 

@@ -8,13 +8,14 @@ Random weights make noise, not speech.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
 
 import torch
 
-from .spec import ENGLISH, SAMPLES_PER_FRAME
+from ..spec import ENGLISH, SAMPLES_PER_FRAME
 
 SNAC_24KHZ = {
     "sampling_rate": 24000,
@@ -237,3 +238,10 @@ def make_test_model(out_dir: str | Path, snac: str = "full", seed: int = 0) -> N
     out.mkdir(parents=True, exist_ok=True)
     _write_orpheus(out / "orpheus", seed)
     write_snac(out / "snac", snac, seed)
+
+
+def make_test_model_main(args: argparse.Namespace) -> int:
+    """Run `orpheus-tts make-test-model` from parsed arguments."""
+    make_test_model(args.dir, snac=args.snac, seed=args.seed)
+    print(f"wrote {Path(args.dir) / 'orpheus'} and {Path(args.dir) / 'snac'}")
+    return 0

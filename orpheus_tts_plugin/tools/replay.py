@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 from torch import nn
 
-from .codes import FrameParser
-from .decoder import StreamingDecoder, offline_decode
-from .spec import ModelSpec
+from ..codes import FrameParser
+from ..decoder import StreamingDecoder
+from ..snac import offline_decode
+from ..spec import ModelSpec
 
 
 def split_utterances(ids: np.ndarray, spec: ModelSpec) -> list[np.ndarray]:
@@ -43,3 +46,26 @@ def replay_offline(snac: nn.Module, ids: np.ndarray, spec: ModelSpec) -> np.ndar
         frames = FrameParser(spec).feed(utterance)
         out.append(offline_decode(snac, frames))
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int16)
+
+
+def decode_main(args: argparse.Namespace) -> int:
+    """`orpheus-tts decode`: replay saved ids through the streaming decoder (or offline) to a WAV file."""
+    from ..snac import load_snac
+    from ..spec import SAMPLES_PER_FRAME, spec_for
+    from .wav import write_wav
+
+    spec = spec_for(args.model_family)
+    ids = np.load(args.tokens)
+    snac = load_snac(args.snac, args.device if args.device != "auto" else "cpu", noise_seed=args.noise_seed)
+    if args.offline:
+        audio = replay_offline(snac, ids, spec)
+    else:
+        audio = replay_streaming(StreamingDecoder(snac, args.first_chunk_frames), ids, spec)
+    write_wav(args.out, audio)
+    n_utt = len(split_utterances(ids, spec))
+    mode = "offline" if args.offline else "streaming"
+    print(
+        f"wrote {args.out}: {audio.size} samples ({audio.size / SAMPLES_PER_FRAME:g} frames) from "
+        f"{n_utt} utterance(s), {mode} decode"
+    )
+    return 0

@@ -1,26 +1,19 @@
-"""`orpheus-tts bench`: measurements that report figures (never pass/fail), side by side in one run."""
+"""`orpheus-tts bench decoder | overhead`: the streaming decoder vs the reference scheme, and host CPU per token."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
-import json
-import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .decoder import StreamingDecoder, load_snac, offline_decode, reference_decode
-from .spec import CODEBOOK_SIZE, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
-
-
-def _cpu_timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
-    """(process CPU seconds across all threads, wall seconds, result) of fn()."""
-    c0, w0 = time.process_time(), time.perf_counter()
-    result = fn()
-    return time.process_time() - c0, time.perf_counter() - w0, result
+from ...decoder import DecodeState, StreamingDecoder
+from ...snac import load_snac, offline_decode
+from ...spec import CODEBOOK_SIZE, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from .common import cpu_timed, print_table, run_metadata, write_json
+from .reference import reference_decode
 
 
 def bench_decoder(
@@ -60,10 +53,10 @@ def bench_decoder(
         StreamingDecoder(snac).decode([_warm_state(frames[0])])
         cpu_ours = cpu_ref = wall_ours = wall_ref = 0.0
         for k in range(n_frames + 1):
-            c, w, _ = _cpu_timed(functools.partial(project_tick, k))
+            c, w, _ = cpu_timed(functools.partial(project_tick, k))
             cpu_ours, wall_ours = cpu_ours + c, wall_ours + w
             if 4 <= k <= n_frames:
-                c, w, _ = _cpu_timed(functools.partial(reference_decode, snac, frames[:, k - 4 : k]))
+                c, w, _ = cpu_timed(functools.partial(reference_decode, snac, frames[:, k - 4 : k]))
                 cpu_ref, wall_ref = cpu_ref + c, wall_ref + w
     audio = [np.concatenate(o) for o in outs]
     exact = offline_decode(snac, frames[0])
@@ -84,9 +77,7 @@ def bench_decoder(
     }
 
 
-def _warm_state(frames: np.ndarray) -> Any:
-    from .decoder import DecodeState
-
+def _warm_state(frames: np.ndarray) -> DecodeState:
     return DecodeState(pending=[frames[:4]], final=True)
 
 
@@ -96,8 +87,8 @@ def bench_overhead(streams: int = 256, frames: int = 48, rate: float = 0.0, loop
     Counts every thread of the process (backend stepping, engine loop, decoder thread, the
     consumers' loops), from token arrival to PCM at the consumer, divided by the tokens.
     """
-    from .backends.synthetic import SyntheticConfig
-    from .engine import EngineConfig, OrpheusEngine
+    from ...config import EngineConfig, SyntheticConfig
+    from ...engine import OrpheusEngine
 
     config = EngineConfig(
         model=None,
@@ -135,7 +126,7 @@ def bench_overhead(streams: int = 256, frames: int = 48, rate: float = 0.0, loop
             results = list(pool.map(lambda n: asyncio.run(loop_main(n)), per_loop))
         return [x for r in results for x in r]
 
-    cpu, wall, samples = _cpu_timed(run)
+    cpu, wall, samples = cpu_timed(run)
     stats = engine.stats()
     tokens = stats["tokens"] - before
     asyncio.run(engine.aclose())
@@ -154,59 +145,14 @@ def bench_overhead(streams: int = 256, frames: int = 48, rate: float = 0.0, loop
     }
 
 
-def print_rows(rows: list[dict[str, Any]], columns: dict[str, str]) -> None:
-    """A table with one line per row dict: `columns` maps each shown key to its header."""
-    cells = [[_shown(row.get(key)) for key in columns] for row in rows]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(columns.values())]
-    for line in [list(columns.values()), *cells]:
-        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
-
-
-def _shown(value: Any) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def run_metadata() -> dict[str, Any]:
-    """Date, machine, command and commit of a benchmark run: what docs/benchmarks.md quotes beside each figure."""
-    import datetime
-    import os
-    import platform
-    import subprocess
-    import sys
-
-    import torch
-
-    try:
-        root = Path(__file__).resolve().parent
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs"
-        + (f", {cuda}" if cuda else ", no GPU"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,  # others' work on the machine
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "commit": commit or None,
-    }
-
-
-def print_table(result: dict[str, Any]) -> None:
-    """A two-column table of a result dict."""
-    width = max(len(k) for k in result)
-    for key, value in result.items():
-        print(f"{key:<{width}}  {_shown(value)}")
-
-
-def write_json(result: dict[str, Any], path: str | None) -> None:
-    """Write `result` as indented JSON to `path` (nothing if no path)."""
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+def main(args: argparse.Namespace) -> int:
+    """Run `bench decoder` or `bench overhead` from parsed flags."""
+    if args.what == "decoder":
+        result = bench_decoder(
+            args.snac, streams=args.streams, seconds=args.seconds, device=args.device, threads=args.threads
+        )
+    else:
+        result = bench_overhead(streams=args.streams, frames=args.frames, rate=args.rate, loops=args.loops)
+    print_table(result)
+    write_json({**result, "meta": run_metadata()}, args.json)
+    return 0

@@ -1,0 +1,166 @@
+"""The engine's options as plain frozen dataclasses, each checked once, where it is built.
+
+Imports nothing of the package, so every module (engine, backends, adapters, tools) can use it.
+A bad value raises TypeError or ValueError naming the field and its allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+SEED_LIMIT = 2**63  # seeds are int64 in every backend: [0, 2**63)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    """TypeError unless `value` is an int; ValueError unless lo <= value (< hi)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value >= hi):
+        bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an int {bound}, got {value}")
+
+
+def check_number(name: str, value: object, *, lo: float, lo_open: bool = False, hi: float | None = None) -> None:
+    """TypeError unless `value` is a real number; ValueError unless finite and in range (hi inclusive)."""
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    low_ok = value > lo if lo_open else value >= lo
+    if not math.isfinite(value) or not low_ok or (hi is not None and value > hi):
+        left = "(" if lo_open else "["
+        bound = f"in {left}{lo:g}, {hi:g}]" if hi is not None else f"finite and {'>' if lo_open else '>='} {lo:g}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of one request (Baseten's production defaults)."""
+
+    temperature: float = 0.6
+    top_p: float = 0.8
+    repetition_penalty: float = 1.1
+    max_tokens: int = 6144
+    seed: int | None = None
+
+    def validate(self) -> SamplingParams:
+        """Raise TypeError/ValueError naming the field and its range; return self."""
+        check_number("temperature", self.temperature, lo=0.0)
+        check_number("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        check_int("max_tokens", self.max_tokens, 1)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, SEED_LIMIT)
+        return self
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Per-request sampling changes: None leaves the engine's default. The one type every adapter passes on."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+
+    @classmethod
+    def of(cls, base: SamplingOverrides | None = None, **changes: Any) -> SamplingOverrides:
+        """`base` (or no overrides) with `changes` applied; TypeError naming an unknown field."""
+        unknown = set(changes) - set(SAMPLING_FIELDS)
+        if unknown:
+            names, known = ", ".join(sorted(unknown)), ", ".join(SAMPLING_FIELDS)
+            raise TypeError(f"unknown sampling option(s) {names}; known: {known}")
+        return replace(base or cls(), **changes)
+
+    def given(self) -> dict[str, Any]:
+        """The fields that are set."""
+        return {f: getattr(self, f) for f in SAMPLING_FIELDS if getattr(self, f) is not None}
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        """`base` with these overrides, validated."""
+        return replace(base, **self.given()).validate()
+
+
+SAMPLING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingOverrides))
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """How the synthetic (model-free) backend behaves.
+
+    `frames_per_prompt_token` sets the utterance length from the prompt length (real speech
+    is about 1.5 frames per text token); `fault_every` > 0 replaces every Nth id with a
+    non-audio id, to exercise the parser's recovery through the whole engine.
+    """
+
+    tokens_per_second: float = 0.0  # per stream; 0 = as fast as the thread can step
+    frames_per_prompt_token: float = 1.5
+    min_frames: int = 4
+    fault_every: int = 0
+
+    def __post_init__(self) -> None:
+        check_number("tokens_per_second", self.tokens_per_second, lo=0.0)
+        check_number("frames_per_prompt_token", self.frames_per_prompt_token, lo=0.0)
+        check_int("min_frames", self.min_frames, 1)
+        check_int("fault_every", self.fault_every, 0)
+
+
+BACKENDS = ("hf", "synthetic", "trtllm", "vllm", "remote")
+DECODERS = ("snac", "null")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that defines an engine; equal configs share one process-wide engine."""
+
+    model: str | None = "canopylabs/orpheus-3b-0.1-ft"  # hub id or local dir (remote: the server URL)
+    snac: str = "hubertsiuzdak/snac_24khz"
+    backend: str = "hf"  # hf | synthetic | trtllm | vllm | remote
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    model_family: str = "orpheus-en"
+    tokenizer: str | None = None  # defaults to `model`
+    max_streams: int = 256  # concurrent synthesize() streams admitted; more raise EngineOverloadedError
+    max_batch_size: int = 256  # rows per backend step
+    max_seq_len: int = 4096
+    first_chunk_frames: int = 4  # frames before the first decode: 4 → 3,435 exact samples after 28 tokens
+    decoder: str = "snac"  # snac | null (silence on the same schedule, for benchmarks)
+    noise_seed: int = 0
+    sentence_max_chars: int = 300
+    token_budget_per_char: float = 12.0
+    token_budget_base: int = 350
+    constrain_audio: bool = True  # restrict sampling to the ids valid at each frame position
+    sampling: SamplingParams = SamplingParams()
+    synthetic: SyntheticConfig = SyntheticConfig()
+    backend_options: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments for the backend
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"unknown decoder {self.decoder!r}; choose one of {', '.join(DECODERS)}")
+        check_int("max_streams", self.max_streams, 1)
+        check_int("max_batch_size", self.max_batch_size, 1)
+        check_int("max_seq_len", self.max_seq_len, 2)
+        check_int("first_chunk_frames", self.first_chunk_frames, 1)
+        check_int("noise_seed", self.noise_seed, 0, SEED_LIMIT)
+        check_int("sentence_max_chars", self.sentence_max_chars, 20)
+        check_number("token_budget_per_char", self.token_budget_per_char, lo=0.0)
+        check_int("token_budget_base", self.token_budget_base, 0)
+        self.sampling.validate()
+
+    def resolved_device(self) -> str:
+        """The device to run on: `device`, or CUDA if available when it is "auto"."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,23 @@
+"""The engine's typed errors: what a caller (and each framework adapter) tells apart."""
+
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """A stream failed inside the engine (backend error, decoder error, engine closed)."""
+
+
+class EngineClosedError(EngineError):
+    """The engine was closed (before or while this stream ran); retrying on it cannot help."""
+
+
+class EngineOverloadedError(EngineError):
+    """The engine is full (`max_streams`, or queued too long behind a full batch); retry later or elsewhere."""
+
+
+class EngineFailedError(EngineError):
+    """An engine thread died; the engine serves nothing more (`health()` says why)."""
+
+
+class ModelLoadError(EngineError):
+    """Weights, tokenizer or SNAC could not be loaded; the message says what is missing and how to get it."""

@@ -1,0 +1,1 @@
+"""`orpheus-tts bench`: figures reported side by side in one run, never pass/fail."""

@@ -92,6 +92,6 @@ _EMPTY = np.empty((0, TOKENS_PER_FRAME), dtype=np.int64)
 
 
 def frames_to_levels(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(..., n, 7) frames → SNAC codes per level: (..., n), (..., 2n), (..., 4n) in time order."""
+    """(..., n, 7) frames (numpy or torch) → SNAC codes per level: (..., n), (..., 2n), (..., 4n) in time order."""
     lead = frames.shape[:-2]
     return tuple(frames[..., list(pos)].reshape(*lead, -1) for pos in LEVEL_POSITIONS)  # type: ignore[return-value]

@@ -128,11 +128,14 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     model_family: str = "orpheus-en"
     tokenizer: str | None = None  # defaults to `model`
-    max_streams: int = 256  # concurrent synthesize() streams admitted; more raise EngineOverloadedError
-    max_batch_size: int = 256  # rows per backend step
+    max_streams: int = 64  # concurrent synthesize() streams admitted; more raise EngineOverloadedError
+    max_batch_size: int | None = None  # rows per backend step; None: max_streams (a stream needs one row at a time)
+    queue_timeout_s: float = 2.0  # longest wait for a request's first token (queued behind a full batch)
     max_seq_len: int = 4096
     first_chunk_frames: int = 4  # frames before the first decode: 4 → 3,435 exact samples after 28 tokens
     decoder: str = "snac"  # snac | null (silence on the same schedule, for benchmarks)
+    decode_batch_frames: int | None = None  # frames (rows × chunk) per decoder call; None: max_streams
+    compile: bool = False  # torch.compile the decoder step (and capture CUDA graphs per bucket on CUDA)
     noise_seed: int = 0
     sentence_max_chars: int = 300
     token_budget_per_char: float = 12.0
@@ -148,7 +151,11 @@ class EngineConfig:
         if self.decoder not in DECODERS:
             raise ValueError(f"unknown decoder {self.decoder!r}; choose one of {', '.join(DECODERS)}")
         check_int("max_streams", self.max_streams, 1)
-        check_int("max_batch_size", self.max_batch_size, 1)
+        if self.max_batch_size is not None:
+            check_int("max_batch_size", self.max_batch_size, 1)
+        check_number("queue_timeout_s", self.queue_timeout_s, lo=0.0, lo_open=True)
+        if self.decode_batch_frames is not None:
+            check_int("decode_batch_frames", self.decode_batch_frames, 1)
         check_int("max_seq_len", self.max_seq_len, 2)
         check_int("first_chunk_frames", self.first_chunk_frames, 1)
         check_int("noise_seed", self.noise_seed, 0, SEED_LIMIT)
@@ -156,6 +163,11 @@ class EngineConfig:
         check_number("token_budget_per_char", self.token_budget_per_char, lo=0.0)
         check_int("token_budget_base", self.token_budget_base, 0)
         self.sampling.validate()
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per backend step."""
+        return self.max_batch_size or self.max_streams
 
     def resolved_device(self) -> str:
         """The device to run on: `device`, or CUDA if available when it is "auto"."""

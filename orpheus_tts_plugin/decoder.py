@@ -1,53 +1,67 @@
-"""Streaming SNAC decoding for the engine: the FrameDecoder interface, exact streaming, the null decoder.
+"""Streaming SNAC decoding for the engine: the FrameDecoder interface, the pooled streaming decoder, the null one.
 
-The SNAC decoder is convolutional and non-causal. `StreamingDecoder` runs it layer by layer on
-new frames only: every convolution keeps the last inputs it needs as state, so each frame is
-decoded once and each output sample is emitted as soon as the receptive field allows. Inputs
-outside an utterance are masked to zero, exactly as the offline decoder's zero padding, so the
-streamed audio equals `snac.offline_decode` of the whole utterance (up to float rounding).
+SNAC's decoder is convolutional and non-causal. `StreamingDecoder` runs it layer by layer (`layers.py`)
+on new frames only, each convolution keeping the inputs it still needs as state, with inputs outside an
+utterance masked to zero exactly as SNAC's offline zero padding: the streamed audio equals
+`snac.offline_decode` of the whole utterance (up to float rounding), each frame decoded once.
+
+Host work per call does not grow with the number of rows: each utterance's layer state lives in
+preallocated device pools indexed by its slot; a call gathers the rows' slots, runs the layers and
+scatters the new state back. Calls have static shapes from a small set of buckets (rows padded to a power
+of two; chunks of 1 frame, of the first-chunk length, or that length plus the flush), so the step can be
+compiled and, on CUDA, captured as one graph per bucket.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .codes import frames_to_levels
-from .snac import LATENT_PER_FRAME, SNAC24_LATENCY, PositionalNoise, fade_edges, load_snac, to_int16
-from .spec import SAMPLES_PER_FRAME
+from .layers import Layer, Step, build_layers
+from .snac import SNAC24_LATENCY, fade_edges, load_snac, to_int16
+from .spec import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 
 if TYPE_CHECKING:
     from .config import EngineConfig
 
 
 class FrameDecoder(Protocol):
-    """What the engine's decoder thread drives: per-utterance states, decoded in batches."""
+    """What the engine's decoder thread drives (and only that thread): per-utterance states, decoded in batches."""
 
     first_chunk_frames: int
 
-    def new_state(self) -> DecodeState: ...
+    def new_state(self) -> DecodeState:
+        """State for a new utterance; frames go into its `pending`, `final` marks its end."""
+        ...
 
-    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]: ...
+    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray | Exception]:
+        """New int16 audio of each state, or the exception that failed it (its state is then unchanged)."""
+        ...
+
+    def release(self, state: DecodeState) -> None:
+        """Free what `state` holds (an utterance dropped before its end)."""
+        ...
 
     def stats(self) -> dict[str, object]: ...
 
 
 @dataclass
 class DecodeState:
-    """Streaming state of one utterance: frames seen, samples emitted, per-layer buffers."""
+    """One utterance as the decoder sees it: frames waiting, frames decoded, samples emitted, its pool slot."""
 
     frames_in: int = 0
     samples_out: int = 0
     final: bool = False
-    buffers: list[Tensor] | None = None
-    pending: list[np.ndarray] = field(default_factory=list)
+    pending: list[np.ndarray] = field(default_factory=list)  # (k, 7) code arrays not yet decoded, in order
+    slot: int | None = None  # the decoder's pool slot while the utterance is being decoded
 
     @property
     def pending_frames(self) -> int:
@@ -55,247 +69,96 @@ class DecodeState:
 
     @property
     def done(self) -> bool:
-        """Final and fully decoded: the last audio of the utterance has been returned."""
-        return self.final and not self.pending
+        """Final and fully decoded: the last audio of the utterance has been returned (its slot given back)."""
+        return self.final and not self.pending and self.slot is None
 
     def ready(self, first_chunk_frames: int) -> bool:
-        """Whether a decode call for this utterance would emit audio now."""
+        """Whether a decode call for this utterance would emit audio (or end it) now."""
         if self.final:
             return True
         need = first_chunk_frames if self.frames_in == 0 else 1
         return self.pending_frames >= need
 
+    def peek(self, n: int) -> np.ndarray:
+        """The first `n` pending frames (n <= pending_frames), without consuming them."""
+        if len(self.pending[0]) >= n:
+            return self.pending[0][:n]
+        return np.concatenate(self.pending)[:n]
+
+    def consume(self, n: int) -> None:
+        """Drop the first `n` pending frames (they have been decoded)."""
+        while n:
+            head = self.pending[0]
+            if len(head) > n:
+                self.pending[0] = head[n:]
+                return
+            n -= len(head)
+            self.pending.pop(0)
+
 
 @dataclass
-class _Batch:
-    """One batched decoder call: B utterances, each with a chunk padded to n frames."""
+class _Row:
+    """One utterance's part in a call: `m` new frames, and whether its end (and flush) is in this call."""
 
-    states: list[DecodeState]
-    ends: np.ndarray  # (B,) bool: the utterance ends in this call (its chunk is followed by the flush)
-    frames: np.ndarray  # (B, n, 7) codes; flush padding past a chunk's frames
-    frames_before: np.ndarray  # (B,) frames each utterance had decoded before this call
-    end_frames: np.ndarray  # (B,) frames in the utterance where its end is in this call, else a huge number
-    start: np.ndarray  # (B,) absolute sample position of the call's first output sample
-    total: np.ndarray  # (B,) utterance length in samples where it ends in this call, else -1
-    need_mask: bool  # some input lies outside its utterance (start or end)
-
-    @classmethod
-    def of(
-        cls, states: list[DecodeState], chunks: list[np.ndarray], ends: list[bool], n: int, latency: int, warmup: int
-    ) -> _Batch:
-        frames = np.zeros((len(states), n, 7), dtype=np.int64)
-        for row, chunk in enumerate(chunks):
-            frames[row, : len(chunk)] = chunk
-        fb = np.array([st.frames_in for st in states], dtype=np.int64)
-        m = np.array([len(c) for c in chunks], dtype=np.int64)
-        final = np.array(ends, dtype=bool)
-        return cls(
-            states=states,
-            ends=final,
-            frames=frames,
-            frames_before=fb,
-            end_frames=np.where(final, fb + m, np.iinfo(np.int64).max // (4 * SAMPLES_PER_FRAME)),
-            start=fb * SAMPLES_PER_FRAME - latency,
-            total=np.where(final, (fb + m) * SAMPLES_PER_FRAME, -1),
-            need_mask=bool(final.any() or fb.min() < warmup),
-        )
+    state: DecodeState
+    m: int
+    ends: bool
 
 
-class _Step:
-    """What one batched call knows about its rows: positions, utterance ends, layer buffers."""
-
-    def __init__(self, frames_before: Tensor, end_frames: Tensor, buffers: list[Tensor], need_mask: bool):
-        self.frames_before = frames_before  # (B,)
-        self.end_frames = end_frames  # (B,) frames in the utterance, or a huge number if unknown
-        self.buffers_in = buffers
-        self.buffers_out: list[Tensor] = []
-        self.need_mask = need_mask
-
-    def positions(self, per_frame: int, delay: int, n: int) -> Tensor:
-        """Absolute positions (B, n) at a layer with `per_frame` samples a frame and `delay`."""
-        start = self.frames_before * per_frame - delay
-        return start.unsqueeze(1) + torch.arange(n, device=start.device)
-
-    def mask(self, x: Tensor, per_frame: int, delay: int) -> Tensor:
-        """Zero the inputs that lie outside the utterance (the offline decoder's zero padding)."""
-        if not self.need_mask:
-            return x
-        pos = self.positions(per_frame, delay, x.shape[-1])
-        valid = (pos >= 0) & (pos < (self.end_frames * per_frame).unsqueeze(1))
-        return x * valid.unsqueeze(1).to(x.dtype)
-
-    def extend(self, x: Tensor, keep: int) -> Tensor:
-        """Prepend this layer's buffer to `x` and keep the last `keep` samples as its next buffer.
-
-        Layers call this in a fixed order, which is the order of their buffers.
-        """
-        window = torch.cat([self.buffers_in[len(self.buffers_out)], x], -1)
-        self.buffers_out.append(window[..., window.shape[-1] - keep :])
-        return window
-
-
-def _snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor) -> Tensor:
-    """SNAC's snake activation with one temporary instead of four."""
-    y = torch.mul(x, alpha).sin_()
-    return y.mul_(y).mul_(inv_alpha).add_(x)
-
-
-class _Layer:
-    """One streaming layer; `per_frame` and `delay` describe its input."""
-
-    per_frame: int
-    delay: int
-
-    def buffer_shapes(self) -> list[tuple[int, int]]:
-        return []
-
-    def __call__(self, x: Tensor, step: _Step) -> Tensor:
-        raise NotImplementedError
-
-    @property
-    def out_per_frame(self) -> int:
-        return self.per_frame
-
-    @property
-    def out_delay(self) -> int:
-        return self.delay
-
-
-class _Snake(_Layer):
-    def __init__(self, snake: nn.Module, per_frame: int, delay: int):
-        self.alpha = snake.alpha.detach()
-        self.inv_alpha = (self.alpha + 1e-9).reciprocal()
-        self.per_frame, self.delay = per_frame, delay
-
-    def __call__(self, x: Tensor, step: _Step) -> Tensor:
-        return _snake(x, self.alpha, self.inv_alpha)
-
-
-class _Pointwise(_Layer):
-    """A kernel-1 convolution: no context, no state."""
-
-    def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
-        self.weight = conv.weight.detach().clone()
-        self.bias = None if conv.bias is None else conv.bias.detach().clone()
-        self.per_frame, self.delay = per_frame, delay
-
-    def __call__(self, x: Tensor, step: _Step) -> Tensor:
-        return F.conv1d(x, self.weight, self.bias)
-
-
-class _Conv(_Layer):
-    """A 'same'-padded convolution streamed with the last `context` inputs as state."""
-
-    def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
-        self.weight = conv.weight.detach().clone()
-        self.bias = None if conv.bias is None else conv.bias.detach().clone()
-        self.dilation, self.groups = conv.dilation[0], conv.groups
-        self.context = self.dilation * (conv.kernel_size[0] - 1)
-        if conv.stride[0] != 1 or 2 * conv.padding[0] != self.context:
-            raise ValueError("streaming needs stride-1, symmetric 'same' padding")
-        self.channels = conv.in_channels
-        self.per_frame, self.delay = per_frame, delay
-
-    @property
-    def out_delay(self) -> int:
-        return self.delay + self.context // 2
-
-    def buffer_shapes(self) -> list[tuple[int, int]]:
-        return [(self.channels, self.context)]
-
-    def __call__(self, x: Tensor, step: _Step) -> Tensor:
-        window = step.extend(step.mask(x, self.per_frame, self.delay), self.context)
-        return F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
-
-
-class _ConvTranspose(_Layer):
-    """SNAC's upsampling transposed convolution (kernel 2·stride), streamed with one input of state."""
-
-    def __init__(self, conv: nn.ConvTranspose1d, per_frame: int, delay: int):
-        self.weight = conv.weight.detach().clone()
-        self.bias = None if conv.bias is None else conv.bias.detach().clone()
-        self.stride, self.pad = conv.stride[0], conv.padding[0]
-        if conv.kernel_size[0] != 2 * self.stride or conv.output_padding[0] != 0 or conv.groups != 1:
-            raise ValueError("streaming needs kernel 2·stride, even stride, no groups")
-        self.channels = conv.in_channels
-        self.per_frame, self.delay = per_frame, delay
-
-    @property
-    def out_per_frame(self) -> int:
-        return self.per_frame * self.stride
-
-    @property
-    def out_delay(self) -> int:
-        return self.delay * self.stride + self.pad
-
-    def buffer_shapes(self) -> list[tuple[int, int]]:
-        return [(self.channels, 1)]
-
-    def __call__(self, x: Tensor, step: _Step) -> Tensor:
-        x = step.mask(x, self.per_frame, self.delay)
-        n = x.shape[-1]
-        window = step.extend(x, 1)
-        y = F.conv_transpose1d(window, self.weight, self.bias, stride=self.stride)
-        return y[..., self.stride : (n + 1) * self.stride]
-
-
-class _Noise(_Layer):
-    def __init__(self, noise: PositionalNoise, per_frame: int, delay: int):
-        self.noise = noise
-        self.weight = noise.linear.weight.detach().clone()
-        self.per_frame, self.delay = per_frame, delay
-
-    def __call__(self, x: Tensor, step: _Step) -> Tensor:
-        pos = step.positions(self.per_frame, self.delay, x.shape[-1])
-        return F.conv1d(x, self.weight).mul_(self.noise.noise(pos).unsqueeze(1)).add_(x)
-
-
-class _Residual(_Layer):
-    """x + block(x), the skip path delayed by the block's look-ahead."""
-
-    def __init__(self, unit: nn.Module, per_frame: int, delay: int):
-        snake1, conv, snake2, pointwise = unit.block
-        self.layers: list[_Layer] = [_Snake(snake1, per_frame, delay), _Conv(conv, per_frame, delay)]
-        inner_delay = self.layers[1].out_delay
-        self.layers += [_Snake(snake2, per_frame, inner_delay), _Pointwise(pointwise, per_frame, inner_delay)]
-        self.lag = inner_delay - delay
-        self.channels = conv.in_channels
-        self.per_frame, self.delay = per_frame, delay
-
-    @property
-    def out_delay(self) -> int:
-        return self.delay + self.lag
-
-    def buffer_shapes(self) -> list[tuple[int, int]]:
-        return [s for layer in self.layers for s in layer.buffer_shapes()] + [(self.channels, self.lag)]
-
-    def __call__(self, x: Tensor, step: _Step) -> Tensor:
-        y = x
-        for layer in self.layers:
-            y = layer(y, step)
-        skip = step.extend(x, self.lag)
-        return y.add_(skip[..., : x.shape[-1]])
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 class StreamingDecoder:
-    """Exact streaming SNAC decoding of many utterances, one batched call per chunk length a tick."""
+    """Exact streaming SNAC decoding of up to `max_streams` utterances at once, in bucketed batched calls.
 
-    def __init__(self, snac: nn.Module | None, first_chunk_frames: int = 4):
-        if first_chunk_frames < 1:
-            raise ValueError("first_chunk_frames must be >= 1")
+    Per utterance a call takes at most `first_chunk_frames` frames (the first chunk exactly that many):
+    beyond 4 frames a call costs no less per frame on CPU and its memory grows with its length
+    (docs/benchmarks.md), so a backlog is decoded over several calls, in order. Rows per call are bounded
+    by `batch_frames` frames (rows × chunk length). `compile` runs the step through torch.compile;
+    `cuda_graphs` (default: as `compile`) replays each bucket as a CUDA graph on CUDA devices.
+    Everything here runs on the engine's decoder thread (`new_state` excepted: it only builds a state).
+    """
+
+    def __init__(
+        self,
+        snac: nn.Module | None,
+        first_chunk_frames: int = 4,
+        *,
+        max_streams: int = 64,
+        batch_frames: int | None = None,
+        compile: bool = False,
+        cuda_graphs: bool | None = None,
+    ):
+        if first_chunk_frames < 1 or max_streams < 1:
+            raise ValueError("first_chunk_frames and max_streams must be >= 1")
         self.first_chunk_frames = first_chunk_frames
         self.snac = snac
-        self.layers: list[_Layer] = [] if snac is None else _build_layers(snac)
+        self.layers: list[Layer] = [] if snac is None else build_layers(snac)
         self.latency_samples = self.layers[-1].out_delay if self.layers else SNAC24_LATENCY
         self.flush_frames = math.ceil(self.latency_samples / SAMPLES_PER_FRAME)
         self.warmup_frames = max(
             (math.ceil(layer.delay / layer.per_frame) for layer in self.layers), default=self.flush_frames
         )
+        self.max_streams = max_streams
+        self.batch_frames = batch_frames or _pow2_at_least(max_streams)
+        self.final_chunk = first_chunk_frames + self.flush_frames
+        self.chunks = tuple(sorted({1, first_chunk_frames, self.final_chunk}))
+        # Steady 1-frame calls mask nothing once the first chunk has passed every layer's warm-up.
+        self._mask_steady = first_chunk_frames < self.warmup_frames
+        self._free = list(range(max_streams - 1, -1, -1))  # slot max_streams is the padding rows' scratch
+        self._pools = self._make_pools()
+        self._cuda_graphs = compile if cuda_graphs is None else cuda_graphs  # CUDA only
+        self._step_fn: Callable[..., Tensor] = torch.compile(self._step) if compile else self._step
+        self._graphs: dict[tuple[int, int], _Graph] = {}
         self.calls = 0
         self.rows = 0
-        self.frames = 0  # frames run through the layers, flush padding included: each frame once
+        self.padded_rows = 0
+        self.frames = 0  # frames run through the layers, flush included, bucket padding not: each frame once
         self.calls_by_chunk: dict[int, int] = {}
+        self.failed_calls = 0
 
+    # ------------------------------------------------------------------ interface
     @property
     def device(self) -> torch.device:
         return next(self.snac.parameters()).device if self.snac is not None else torch.device("cpu")
@@ -303,142 +166,249 @@ class StreamingDecoder:
     def new_state(self) -> DecodeState:
         return DecodeState()
 
+    def release(self, state: DecodeState) -> None:
+        if state.slot is not None:
+            self._free.append(state.slot)
+            state.slot = None
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (rows, chunk frames) shape a call can have."""
+        out = []
+        for n in self.chunks:
+            top = self._max_rows(n)
+            out += [(1 << k, n) for k in range(top.bit_length()) if 1 << k <= top]
+        return out
+
+    def warm(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Run every bucket once (compiling it, and on CUDA capturing its graph), so no call compiles later."""
+        buckets = self.buckets()
+        for i, (rows, n) in enumerate(buckets):
+            with torch.inference_mode():
+                self._launch(*self._padding_inputs(rows, n), n)
+            if progress is not None:
+                progress(i + 1, len(buckets))
+
     @torch.inference_mode()
-    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]:
-        """Decode the pending frames of `states` (flushing the final ones): new int16 audio of each.
+    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray | Exception]:
+        """Decode what each state allows now: new int16 audio per state (empty if none), or its exception.
 
-        A first chunk takes exactly `first_chunk_frames` frames, however many are waiting (even
-        of an utterance that has already ended), so the first audio is never delayed by decoding
-        more than it needs; the rest follows on the next call. `DecodeState.done` says when an
-        utterance's last audio has been returned.
+        A first chunk takes exactly `first_chunk_frames` frames, even of an utterance that has already
+        ended, so the first audio never waits for more decoding than it needs; the rest follows on later
+        calls. A call that fails is retried row by row, so one bad row fails only its own utterance.
         """
-        out: list[np.ndarray] = [_NO_AUDIO] * len(states)
-        groups: dict[int, list[tuple[int, np.ndarray, bool]]] = {}
+        out: list[np.ndarray | Exception] = [_NO_AUDIO] * len(states)
+        groups: dict[int, list[tuple[int, _Row]]] = {}
         for i, st in enumerate(states):
-            frames = np.concatenate(st.pending) if st.pending else _NO_FRAMES
-            st.pending.clear()
-            if st.frames_in == 0 and len(frames) > self.first_chunk_frames:
-                frames, rest = frames[: self.first_chunk_frames], frames[self.first_chunk_frames :]
-                st.pending.append(rest)
-            ends = st.done
-            if ends and st.frames_in + len(frames) == 0:
+            row = self._plan(st)
+            if row is None:
                 continue
-            n = len(frames) + (self.flush_frames if ends else 0)
-            if n:
-                groups.setdefault(n, []).append((i, frames, ends))
+            n = self.final_chunk if row.ends else row.m
+            groups.setdefault(n, []).append((i, row))
         for n, rows in groups.items():
-            audio = self._decode_group(
-                [states[i] for i, _, _ in rows], [f for _, f, _ in rows], [e for *_, e in rows], n
-            )
-            for (i, _, _), a in zip(rows, audio):
-                out[i] = a
+            limit = self._max_rows(n)
+            for lo in range(0, len(rows), limit):
+                part = rows[lo : lo + limit]
+                for (i, _), audio in zip(part, self._call_isolated([r for _, r in part], n)):
+                    out[i] = audio
         return out
-
-    def _decode_group(
-        self, states: list[DecodeState], chunks: list[np.ndarray], ends: list[bool], n: int
-    ) -> list[np.ndarray]:
-        batch = _Batch.of(states, chunks, ends, n, self.latency_samples, self.warmup_frames)
-        pcm, buffers = self._run(batch)
-        self.calls += 1
-        self.rows += len(states)
-        self.frames += n * len(states)
-        self.calls_by_chunk[n] = self.calls_by_chunk.get(n, 0) + 1
-        out: list[np.ndarray] = []
-        for row, st in enumerate(states):
-            lo = max(0, -int(batch.start[row]))
-            hi = int(batch.total[row] - batch.start[row]) if batch.ends[row] else n * SAMPLES_PER_FRAME
-            hi = max(lo, min(hi, n * SAMPLES_PER_FRAME))
-            out.append(pcm[row, lo:hi])
-            st.frames_in += len(chunks[row])
-            st.samples_out += hi - lo
-            st.buffers = None if batch.ends[row] else [b[row : row + 1] for b in buffers]
-        return out
-
-    def _run(self, batch: _Batch) -> tuple[np.ndarray, list[Tensor]]:
-        """Run the layers on the batch's frames: int16 audio (B, n·2048), faded, and the new layer buffers."""
-        device, dtype = self.device, next(self.snac.parameters()).dtype
-        for st in batch.states:
-            if st.buffers is None:
-                st.buffers = [torch.zeros(1, c, k, device=device, dtype=dtype) for c, k in self._shapes()]
-        buffers = [torch.cat(col) for col in zip(*(st.buffers for st in batch.states))]
-        codes = [torch.from_numpy(c).to(device) for c in frames_to_levels(batch.frames)]
-        x = self.snac.quantizer.from_codes(codes)
-        fb, end = torch.from_numpy(batch.frames_before).to(device), torch.from_numpy(batch.end_frames).to(device)
-        step = _Step(fb, end, buffers, batch.need_mask)
-        for layer in self.layers:
-            x = layer(x, step)
-        start, total = torch.from_numpy(batch.start).to(device), torch.from_numpy(batch.total).to(device)
-        return to_int16(fade_edges(torch.tanh(x[:, 0]), start, total)).cpu().numpy(), step.buffers_out
-
-    def _shapes(self) -> list[tuple[int, int]]:
-        return [s for layer in self.layers for s in layer.buffer_shapes()]
 
     def stats(self) -> dict[str, object]:
         return {
             "decoded_frames": self.frames,
             "decoder_calls": self.calls,
             "decoded_rows": self.rows,
+            "decoder_padded_rows": self.padded_rows,
             "decoder_calls_by_chunk": dict(self.calls_by_chunk),
+            "decoder_failed_calls": self.failed_calls,
+            "decoder_free_slots": len(self._free),
         }
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, st: DecodeState) -> _Row | None:
+        """This state's part in the next call, or None if it has nothing to decode now."""
+        pending = st.pending_frames
+        first = self.first_chunk_frames
+        if st.final and pending <= first:
+            if st.frames_in == 0 and pending == 0:
+                return None  # an utterance without a single frame: nothing to say, already done
+            return _Row(st, pending, ends=True)
+        if st.frames_in == 0 or pending >= first:
+            return _Row(st, first, ends=False) if pending >= first else None
+        return _Row(st, 1, ends=False) if pending else None
+
+    def _max_rows(self, n: int) -> int:
+        """Rows of a call with `n`-frame chunks: a power of two, `batch_frames` frames in all at most."""
+        rows = max(1, min(self.batch_frames // n, _pow2_at_least(self.max_streams)))
+        return 1 << (rows.bit_length() - 1)
+
+    # ------------------------------------------------------------------ calls
+    def _call_isolated(self, rows: list[_Row], n: int) -> list[np.ndarray | Exception]:
+        try:
+            return list(self._call(rows, n))
+        except Exception as exc:  # noqa: BLE001 - retried row by row below
+            self.failed_calls += 1
+            if len(rows) == 1:
+                return [exc]
+        return [self._call_isolated([row], n)[0] for row in rows]
+
+    def _call(self, rows: list[_Row], n: int) -> list[np.ndarray]:
+        """One bucketed call; commits each row's state only once the call has succeeded."""
+        for row in rows:
+            if row.state.slot is None:
+                row.state.slot = self._free.pop()
+        try:
+            pcm, start, total = self._run(rows, n)
+        except BaseException:
+            for row in rows:
+                if row.state.frames_in == 0:
+                    self.release(row.state)
+            raise
+        out: list[np.ndarray] = []
+        for k, row in enumerate(rows):
+            st = row.state
+            lo = max(0, -int(start[k]))
+            hi = int(total[k] - start[k]) if row.ends else n * SAMPLES_PER_FRAME
+            hi = max(lo, min(hi, n * SAMPLES_PER_FRAME))
+            out.append(pcm[k, lo:hi])
+            st.consume(row.m)
+            st.frames_in += row.m
+            st.samples_out += hi - lo
+            if row.ends:
+                self.release(st)
+        self.calls += 1
+        self.rows += len(rows)
+        self.padded_rows += _pow2_at_least(len(rows)) - len(rows)
+        self.frames += sum(r.m + (self.flush_frames if r.ends else 0) for r in rows)
+        self.calls_by_chunk[n] = self.calls_by_chunk.get(n, 0) + 1
+        return out
+
+    def _run(self, rows: list[_Row], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int16 audio (B, n·2048) of the rows, and each row's first output position and length (-1: not ending)."""
+        b = _pow2_at_least(len(rows))
+        codes = np.zeros((b, n, TOKENS_PER_FRAME), dtype=np.int64)
+        slots = np.full(b, self.max_streams, dtype=np.int64)
+        fb = np.zeros(b, dtype=np.int64)
+        end = np.zeros(b, dtype=np.int64)  # padding rows end before they start: all their inputs are masked
+        for k, row in enumerate(rows):
+            st = row.state
+            if row.m:
+                codes[k, : row.m] = st.peek(row.m)
+            slots[k], fb[k] = st.slot, st.frames_in
+            end[k] = st.frames_in + row.m if row.ends else _NEVER
+        fresh = fb == 0
+        fresh[len(rows) :] = True
+        start = fb * SAMPLES_PER_FRAME - self.latency_samples
+        total = np.where(end != _NEVER, end * SAMPLES_PER_FRAME, -1)
+        pcm = self._launch(codes, slots, fb, end, fresh, n)
+        return pcm.cpu().numpy(), start, total
+
+    def _padding_inputs(self, rows: int, n: int) -> tuple[np.ndarray, ...]:
+        """Inputs of a call whose rows are all padding (warm-up)."""
+        z = np.zeros(rows, dtype=np.int64)
+        return (np.zeros((rows, n, TOKENS_PER_FRAME), np.int64), z + self.max_streams, z, z, np.ones(rows, bool))
+
+    def _launch(
+        self, codes: np.ndarray, slots: np.ndarray, fb: np.ndarray, end: np.ndarray, fresh: np.ndarray, n: int
+    ) -> Tensor:
+        """Run the step for one bucket: replay its CUDA graph if it has one, else call the (compiled) step."""
+        dev = self.device
+        inputs = [torch.from_numpy(a) for a in (codes, slots, fb, end, fresh)]
+        if dev.type == "cuda" and self._cuda_graphs:
+            graph = self._graphs.get((len(slots), n))
+            if graph is None:
+                graph = self._graphs[(len(slots), n)] = _Graph(self._step_fn, inputs, dev, n != 1 or self._mask_steady)
+            return graph.replay(inputs)
+        return self._step_fn(*(t.to(dev) for t in inputs), mask=n != 1 or self._mask_steady)
+
+    def _step(self, codes: Tensor, slots: Tensor, fb: Tensor, end: Tensor, fresh: Tensor, mask: bool) -> Tensor:
+        """Gather the rows' layer state, run the layers, scatter the new state back: int16 audio (B, n·2048).
+
+        Pure tensor code with static shapes (what torch.compile and CUDA graphs take).
+        """
+        if self.snac is None:
+            return torch.zeros(codes.shape[0], codes.shape[1] * SAMPLES_PER_FRAME, dtype=torch.int16)
+        keep = (~fresh).to(self._pools[0].dtype)[:, None, None]
+        buffers = [pool.index_select(0, slots) * keep for pool in self._pools]
+        x = self.snac.quantizer.from_codes(list(frames_to_levels(codes)))
+        step = Step(fb, end, buffers, mask)
+        for layer in self.layers:
+            x = layer(x, step)
+        for pool, new in zip(self._pools, step.buffers_out):
+            pool.index_copy_(0, slots, new)
+        start = fb * SAMPLES_PER_FRAME - self.latency_samples
+        total = torch.where(end < _NEVER, end * SAMPLES_PER_FRAME, -1)
+        return to_int16(fade_edges(torch.tanh(x[:, 0]), start, total))
+
+    def _make_pools(self) -> list[Tensor]:
+        """One (max_streams + 1, channels, context) tensor per layer buffer; the last slot is scratch."""
+        if self.snac is None:
+            return []
+        param = next(self.snac.parameters())
+        shapes = [s for layer in self.layers for s in layer.buffer_shapes()]
+        return [torch.zeros(self.max_streams + 1, c, k, device=param.device, dtype=param.dtype) for c, k in shapes]
+
+
+class _Graph:
+    """One bucket's step captured as a CUDA graph: copy the inputs in, replay, read the static output.
+
+    NOT RUN HERE (no GPU on the machines that build this project); scripts/gpu_bench.py measures it.
+    """
+
+    def __init__(self, step: Callable[..., Tensor], inputs: list[Tensor], device: torch.device, mask: bool):
+        self.static = [t.to(device) for t in inputs]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up (and compilation) outside the capture
+                step(*self.static, mask=mask)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = step(*self.static, mask=mask)
+
+    def replay(self, inputs: list[Tensor]) -> Tensor:
+        for dst, src in zip(self.static, inputs):
+            dst.copy_(src, non_blocking=True)
+        self.graph.replay()
+        return self.out
 
 
 class NullDecoder(StreamingDecoder):
     """Silence on the streaming decoder's exact schedule, with no model: measures everything else."""
 
-    def __init__(self, first_chunk_frames: int = 4):
-        super().__init__(None, first_chunk_frames)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def _run(self, batch: _Batch) -> tuple[np.ndarray, list[Tensor]]:
-        return np.zeros((len(batch.states), batch.frames.shape[1] * SAMPLES_PER_FRAME), dtype=np.int16), []
+    def __init__(self, first_chunk_frames: int = 4, *, max_streams: int = 64):
+        super().__init__(None, first_chunk_frames, max_streams=max_streams)
 
 
-_NO_AUDIO = np.zeros(0, dtype=np.int16)
-_NO_FRAMES = np.zeros((0, 7), dtype=np.int64)
+@contextlib.contextmanager
+def count_aten_ops() -> Iterator[list[int]]:
+    """Count the aten operators dispatched inside the block (views included): `with count_aten_ops() as n:`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
+    counter = [0]
 
-def _build_layers(snac: nn.Module) -> list[_Layer]:
-    """Streaming layers mirroring snac.decoder.model, sharing its weights."""
-    from snac.layers import DecoderBlock, ResidualUnit, Snake1d
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            counter[0] += 1
+            return func(*args, **(kwargs or {}))
 
-    layers: list[_Layer] = []
-    per_frame, delay = LATENT_PER_FRAME, 0
-
-    def add(layer: _Layer) -> None:
-        nonlocal per_frame, delay
-        layers.append(layer)
-        per_frame, delay = layer.out_per_frame, layer.out_delay
-
-    for module in snac.decoder.model:
-        if isinstance(module, DecoderBlock):
-            for sub in module.block:
-                if isinstance(sub, Snake1d):
-                    add(_Snake(sub, per_frame, delay))
-                elif isinstance(sub, nn.ConvTranspose1d):
-                    add(_ConvTranspose(sub, per_frame, delay))
-                elif isinstance(sub, PositionalNoise):
-                    add(_Noise(sub, per_frame, delay))
-                elif isinstance(sub, ResidualUnit):
-                    add(_Residual(sub, per_frame, delay))
-                else:
-                    raise ValueError(f"unexpected SNAC decoder block layer {type(sub).__name__}")
-        elif isinstance(module, Snake1d):
-            add(_Snake(module, per_frame, delay))
-        elif isinstance(module, nn.Conv1d):
-            add(_Pointwise(module, per_frame, delay) if module.kernel_size[0] == 1 else _Conv(module, per_frame, delay))
-        elif isinstance(module, nn.Tanh):
-            continue  # applied at the end of _run
-        else:
-            raise ValueError(f"unexpected SNAC decoder layer {type(module).__name__} (deterministic noise not set?)")
-    return layers
+    with _Count():
+        yield counter
 
 
 def make_decoder(config: EngineConfig, device: str) -> FrameDecoder:
     """The decoder `config.decoder` names: "snac" (exact streaming) or "null" (silence on the same schedule)."""
     if config.decoder == "null":
-        return NullDecoder(config.first_chunk_frames)
+        return NullDecoder(config.first_chunk_frames, max_streams=config.max_streams)
     snac = load_snac(config.snac, device, noise_seed=config.noise_seed)
-    return StreamingDecoder(snac, config.first_chunk_frames)
+    return StreamingDecoder(
+        snac,
+        config.first_chunk_frames,
+        max_streams=config.max_streams,
+        batch_frames=config.decode_batch_frames,
+        compile=config.compile,
+    )
+
+
+_NEVER = np.iinfo(np.int64).max // (8 * SAMPLES_PER_FRAME)  # end_frames of an utterance whose end is not in a call
+_NO_AUDIO = np.zeros(0, dtype=np.int16)

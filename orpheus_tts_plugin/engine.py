@@ -1,9 +1,14 @@
-"""The process-wide Orpheus engine: admission, per-stream state, cancellation, metrics, delivery.
+"""The process-wide Orpheus engine: admission, per-stream state, the decoder thread, cancellation, delivery.
 
-Threads: the engine runs its own event loop in one thread (it drives the backend's token
-streams and parses frames), decoding runs in one decoder thread, and audio reaches each
-caller's event loop through one `call_soon_threadsafe` per loop per decoder tick. So one
-engine serves callers on any number of event loops in any number of threads at once.
+Threads: the engine runs its own event loop in one thread (it drives the backend's token streams
+and parses frames), decoding runs in one decoder thread, and audio reaches each caller's event loop
+through one `call_soon_threadsafe` per loop per decoder tick. So one engine serves callers on any
+number of event loops in any number of threads at once.
+
+Failure model: a fault ends only the streams it concerns, each with an `EngineError` within one tick;
+if an engine thread dies anyway, the engine marks itself failed and every open and new stream gets an
+`EngineFailedError` at once. Nothing waits without bound: a request's first token must come within
+`queue_timeout_s`, else `EngineOverloadedError`.
 """
 
 from __future__ import annotations
@@ -12,9 +17,13 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
+import ctypes.util
+import logging
 import threading
+import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +32,7 @@ import numpy as np
 from .backends.base import BackendError, FinishReason, GenerationRequest, TokenBackend
 from .codes import FrameParser
 from .config import EngineConfig, SamplingOverrides, SamplingParams
-from .errors import EngineClosedError, EngineError, EngineOverloadedError
+from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError
 from .mailbox import Mailbox
 from .prompt import prompt_ids, token_budget
 from .spec import SAMPLE_RATE, ModelSpec, spec_for
@@ -31,6 +40,10 @@ from .text import split_sentences
 
 if TYPE_CHECKING:
     from .decoder import DecodeState, FrameDecoder
+
+log = logging.getLogger(__name__)
+
+TRIM_INTERVAL_S = 1.0  # the idle decoder thread hands freed heap memory back to the OS at most this often
 
 
 @dataclass(frozen=True)
@@ -57,8 +70,8 @@ class _Stream:
         self.loop = loop
         self.closed = False  # set by the caller when it leaves early; read by every thread
         self.samples = 0  # written by the decoder thread only
-        self.task: asyncio.Task[None] | None = None  # the engine-loop task generating its tokens
-        self.box: Mailbox[AudioChunk] = Mailbox()
+        self.task: asyncio.Task[None] | None = None  # the engine-loop task generating its tokens (engine loop only)
+        self.box: Mailbox[AudioChunk] = Mailbox()  # caller's loop only
 
     def put(self, item: AudioChunk | BaseException) -> None:
         """Runs on the caller's loop: a chunk, or the error that ends the stream (nothing after either end)."""
@@ -70,32 +83,48 @@ class _Stream:
             self.box.put(item)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Utterance:
+    """One sentence of a stream on its way through the decoder; fields guarded by the worker's lock."""
+
     stream: _Stream
     last: bool
-    state: DecodeState
-    incoming: list[np.ndarray] = field(default_factory=list)
-    ended: bool = False
+    state: DecodeState  # decoder thread only, once opened
+    incoming: list[np.ndarray] = field(default_factory=list)  # engine loop appends, decoder thread takes
+    ended: bool = False  # set by the engine loop when generation of this utterance is over
 
 
 class _DecodeWorker:
-    """The decoder thread: each tick decodes every ready utterance in batched calls and delivers."""
+    """The decoder thread: each tick decodes the head utterance of every stream in batched calls and delivers.
 
-    def __init__(self, decoder: FrameDecoder, on_done: Any):
+    Only a stream's oldest unfinished utterance is decoded, so its sentences come out in order, each one
+    whole. `open`, `push`, `end` and `drop` run on the engine loop; everything else on the decoder thread.
+    """
+
+    def __init__(
+        self,
+        decoder: FrameDecoder,
+        on_done: Callable[[_Stream], None],
+        on_error: Callable[[_Stream, EngineError], None],
+        on_dead: Callable[[BaseException], None],
+    ):
         self.decoder = decoder
-        self._on_done = on_done
+        self._on_done, self._on_error, self._on_dead = on_done, on_error, on_dead
         self._cv = threading.Condition()
-        self._live: list[_Utterance] = []
+        self._queues: dict[_Stream, collections.deque[_Utterance]] = {}  # under _cv; insertion order
+        self._dropped: list[_Utterance] = []  # under _cv: states the decoder thread must release
         self._running = True
-        self.ticks = 0
-        self._thread = threading.Thread(target=self._run, name="orpheus-decoder", daemon=True)
+        self.ticks = 0  # decoder thread only
+        self._trimmed_at = 0.0
+        self._trimmed_tick = 0
+        self._thread = threading.Thread(target=self._main, name="orpheus-decoder", daemon=True)
         self._thread.start()
 
+    # -- engine loop side --
     def open(self, stream: _Stream, last: bool) -> _Utterance:
         utt = _Utterance(stream, last, self.decoder.new_state())
         with self._cv:
-            self._live.append(utt)
+            self._queues.setdefault(stream, collections.deque()).append(utt)
         return utt
 
     def push(self, utt: _Utterance, frames: np.ndarray) -> None:
@@ -114,8 +143,10 @@ class _DecodeWorker:
             self._cv.notify()
 
     def drop(self, stream: _Stream) -> None:
+        """Forget a stream: nothing of it is decoded any more (its decoder state is freed on the next tick)."""
         with self._cv:
-            self._live = [u for u in self._live if u.stream is not stream]
+            self._dropped.extend(self._queues.pop(stream, ()))
+            self._cv.notify()
 
     def close(self) -> None:
         with self._cv:
@@ -123,10 +154,20 @@ class _DecodeWorker:
             self._cv.notify()
         self._thread.join()
 
-    def _ready(self) -> list[_Utterance]:
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- decoder thread --
+    def _collect(self) -> list[_Utterance]:
+        """Under the lock: free dropped states, take new frames, and list the heads that can be decoded now."""
+        for utt in self._dropped:
+            self.decoder.release(utt.state)
+        self._dropped.clear()
         ready = []
         first = self.decoder.first_chunk_frames
-        for utt in self._live:
+        for queue in self._queues.values():
+            utt = queue[0]
             if utt.incoming:
                 utt.state.pending.extend(utt.incoming)
                 utt.incoming.clear()
@@ -135,44 +176,103 @@ class _DecodeWorker:
                 ready.append(utt)
         return ready
 
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - the engine must learn that its decoder is gone
+            log.exception("Orpheus decoder thread died")
+            self._on_dead(exc)
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                ready = self._ready()
+                ready = self._collect()
                 while self._running and not ready:
-                    self._cv.wait()
-                    ready = self._ready()
+                    self._cv.wait(self._idle_trim())
+                    ready = self._collect()
                 if not self._running:
                     return
-            pcm = self.decoder.decode([u.state for u in ready])
-            self.ticks += 1
-            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, AudioChunk]]] = {}
-            done: list[_Stream] = []
-            for utt, audio in zip(ready, pcm):
+            self._tick(ready)
+
+    def _tick(self, ready: list[_Utterance]) -> None:
+        try:
+            results = self.decoder.decode([u.state for u in ready])
+        except Exception as exc:  # noqa: BLE001 - a decoder bug fails the streams of this tick, not the engine
+            results = [exc] * len(ready)
+        self.ticks += 1
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, AudioChunk | BaseException]]] = {}
+        done: list[_Stream] = []
+        failed: list[tuple[_Stream, EngineError]] = []
+        with self._cv:
+            for utt, audio in zip(ready, results):
                 stream = utt.stream
-                if stream.closed:
+                if stream not in self._queues:  # dropped while this tick ran
+                    continue
+                if isinstance(audio, Exception):
+                    error = EngineError(f"decoding failed: {type(audio).__name__}: {audio}")
+                    error.__cause__ = audio
+                    self._dropped.extend(self._queues.pop(stream))
+                    failed.append((stream, error))
+                    by_loop.setdefault(stream.loop, []).append((stream, error))
                     continue
                 final = utt.last and utt.state.done
-                if audio.size == 0 and not final:
+                if utt.state.done:
+                    self._queues[stream].popleft()
+                    if not self._queues[stream]:
+                        del self._queues[stream]
+                if stream.closed or (audio.size == 0 and not final):
                     continue
                 chunk = AudioChunk(audio.tobytes(), stream.samples, final)
                 stream.samples += audio.size
                 by_loop.setdefault(stream.loop, []).append((stream, chunk))
                 if final:
                     done.append(stream)
+        for stream in done:  # no longer active once its caller holds the final chunk
+            self._on_done(stream)
+        gone: list[_Stream] = []
+        for loop, items in by_loop.items():  # before on_error: a failed stream's error reaches its caller first
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening; stop working for them
+                gone += [stream for stream, _ in items]
+        for stream, error in failed:
+            self._on_error(stream, error)
+        for stream in gone:
+            stream.closed = True
             with self._cv:
-                finished = {id(u) for u in ready if u.state.done}
-                self._live = [u for u in self._live if id(u) not in finished]
-            for stream in done:
-                self._on_done(stream)
-            for loop, items in by_loop.items():
-                with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
-                    loop.call_soon_threadsafe(_deliver, items)
+                self._dropped.extend(self._queues.pop(stream, ()))
+            self._on_error(stream, EngineError("the caller's event loop is closed"))
+
+    def _idle_trim(self) -> float | None:
+        """With nothing to decode, hand the heap memory freed by decoding back to the OS (glibc keeps it
+        otherwise), at most once a second; the seconds to wait before trying again, or None."""
+        if self._queues or self.ticks == self._trimmed_tick or _MALLOC_TRIM is None:
+            return None
+        wait = self._trimmed_at + TRIM_INTERVAL_S - time.monotonic()
+        if wait > 0:
+            return wait
+        self._trimmed_at, self._trimmed_tick = time.monotonic(), self.ticks
+        _MALLOC_TRIM(0)
+        return None
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
 
 
 def _deliver(items: list[tuple[_Stream, AudioChunk | BaseException]]) -> None:
     for stream, item in items:
-        stream.put(item)
+        try:
+            stream.put(item)
+        except Exception as exc:  # noqa: BLE001 - one caller's failure must not stop delivery to the others
+            stream.box.end(EngineError(f"delivery failed: {exc!r}"))
 
 
 def _post(stream: _Stream, item: AudioChunk | BaseException) -> None:
@@ -199,17 +299,18 @@ class OrpheusEngine:
         self.spec: ModelSpec = spec_for(self.config.model_family)
         self._custom_backend = backend
         self._custom_decoder = decoder
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _open, _counters, _closed, _failure, _started
         self._started: concurrent.futures.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._backend: TokenBackend | None = None
+        self._backend: TokenBackend | None = None  # engine loop only, once started
         self._worker: _DecodeWorker | None = None
         self._tokenizer: Any = None
         self._open: set[_Stream] = set()
         self._counters: collections.Counter[str] = collections.Counter()
         self._closed = False
-        self._kick_pending = False
+        self._failure: str | None = None
+        self._kick_pending = False  # engine loop only
 
     @classmethod
     def shared(cls, config: EngineConfig | None = None) -> OrpheusEngine:
@@ -222,8 +323,11 @@ class OrpheusEngine:
             return engine
 
     # ---------------------------------------------------------------- lifecycle
-    async def start(self) -> None:
-        """Load the tokenizer, backend and decoder once; safe to await from any loop, any number of times."""
+    def prewarm(self) -> None:
+        """Start loading in the background and return at once (from any thread, with or without an event loop)."""
+        self._begin_start()
+
+    def _begin_start(self) -> concurrent.futures.Future[None]:
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed")
@@ -231,11 +335,38 @@ class OrpheusEngine:
                 self._started = concurrent.futures.Future()
                 self._thread = threading.Thread(target=self._thread_main, name="orpheus-engine", daemon=True)
                 self._thread.start()
-        await asyncio.wrap_future(self._started)
+            return self._started
+
+    async def start(self) -> None:
+        """Load the tokenizer, backend and decoder once; safe to await from any loop, any number of times."""
+        await asyncio.wrap_future(self._begin_start())
 
     @property
     def started(self) -> bool:
         return self._started is not None and self._started.done() and self._started.exception() is None
+
+    @property
+    def ready(self) -> bool:
+        """Started, not closed, not failed: new streams will be served."""
+        return self.health()["status"] == "ok"
+
+    def health(self) -> dict[str, Any]:
+        """{"status": "not started" | "starting" | "ok" | "failed" | "closed", "reason": why, if not ok}."""
+        with self._lock:
+            closed, failure, started = self._closed, self._failure, self._started
+        if failure is None and self._backend is not None:
+            failure = getattr(self._backend, "failure", None)
+        if closed:
+            return {"status": "closed", "reason": "aclose() was called"}
+        if failure is not None:
+            return {"status": "failed", "reason": failure}
+        if started is None:
+            return {"status": "not started", "reason": "start() or prewarm() not called yet"}
+        if not started.done():
+            return {"status": "starting", "reason": "loading"}
+        if started.exception() is not None:
+            return {"status": "failed", "reason": f"start failed: {started.exception()}"}
+        return {"status": "ok", "reason": None}
 
     def _thread_main(self) -> None:
         loop = asyncio.new_event_loop()
@@ -251,19 +382,32 @@ class OrpheusEngine:
         try:
             loop.run_forever()
         finally:
+            if not self._closed:
+                self._fail("the engine loop stopped")
             loop.close()
 
     async def _boot(self) -> None:
         from .backends import make_backend, make_tokenizer
         from .decoder import make_decoder
+        from .weights import load_error
 
         cfg = self.config
         device = cfg.resolved_device()
-        self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
-        decoder = self._custom_decoder or await asyncio.to_thread(make_decoder, cfg, device)
+        source = cfg.tokenizer or cfg.model
+        try:
+            self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
+        except (OSError, ValueError) as exc:
+            raise load_error("the tokenizer", source, exc) from exc
+        try:
+            decoder = self._custom_decoder or await asyncio.to_thread(make_decoder, cfg, device)
+        except (OSError, ValueError) as exc:
+            raise load_error("SNAC", cfg.snac, exc) from exc
         self._backend = self._custom_backend or make_backend(cfg, self.spec, device)
-        await self._backend.start()
-        self._worker = _DecodeWorker(decoder, self._stream_done)
+        try:
+            await self._backend.start()
+        except (OSError, ValueError) as exc:
+            raise load_error(f"the {cfg.backend} model", cfg.model, exc) from exc
+        self._worker = _DecodeWorker(decoder, self._stream_done, self._stream_failed, self._decoder_died)
 
     async def aclose(self) -> None:
         """Stop every stream, the backend and the threads. The engine cannot be restarted."""
@@ -290,11 +434,34 @@ class OrpheusEngine:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._backend.close()
         await asyncio.to_thread(self._worker.close)
+        self._end_all(EngineClosedError("engine closed"))
+
+    def _fail(self, reason: str) -> None:
+        """An engine thread is gone: fail every open stream now and refuse new ones (any thread)."""
+        with self._lock:
+            if self._failure is not None or self._closed:
+                return
+            self._failure = reason
+        log.error("Orpheus engine failed: %s", reason)
+        self._end_all(EngineFailedError(f"engine failed: {reason}"))
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._cancel_generations)
+
+    def _end_all(self, error: EngineError) -> None:
         with self._lock:
             orphans = list(self._open)
+            self._open.clear()
         for stream in orphans:  # their callers are still waiting: tell them
-            _post(stream, EngineClosedError("engine closed"))
-            self._release(stream)
+            _post(stream, error)
+
+    def _cancel_generations(self) -> None:
+        for task in asyncio.all_tasks(self._loop):
+            task.cancel()
+
+    def _decoder_died(self, exc: BaseException) -> None:
+        self._fail(f"the decoder thread died: {type(exc).__name__}: {exc}")
 
     # ---------------------------------------------------------------- synthesis
     def synthesize(
@@ -309,11 +476,13 @@ class OrpheusEngine:
         """Speak `text`: an async generator of AudioChunk, the last with `final=True`.
 
         Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty,
-        max_tokens, seed); None takes the engine's default. Validates eagerly (TypeError/ValueError
-        naming the field). Empty text yields nothing. Long text is split at sentence bounds and
-        spoken in order. Leaving the loop early, `aclose()` or cancelling the task aborts the
-        generation within one engine step. `token_log`, if given, receives every generated id, each
-        utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
+        max_tokens, seed); None takes the engine's default. Sentence i of a long text is generated
+        with seed + i, so it equals that sentence spoken alone with seed + i. Validates eagerly
+        (TypeError/ValueError naming the field). Empty text yields nothing. Long text is split at
+        sentence bounds and spoken in order, each sentence's audio whole before the next. Leaving
+        the loop early, `aclose()` or cancelling the task aborts the generation within one engine
+        step. `token_log`, if given, receives every generated id, each utterance closed by the
+        end-of-speech id: what `orpheus-tts decode` replays.
         """
         voice, params = self.check_options(voice, sampling, **overrides)
         pieces = split_sentences(text, self.config.sentence_max_chars)
@@ -358,13 +527,15 @@ class OrpheusEngine:
     ) -> tuple[GenerationRequest, str]:
         cfg = self.config
         limit, kind = token_budget(text, cfg.token_budget_per_char, cfg.token_budget_base, sampling.max_tokens)
+        seed = None if sampling.seed is None else (sampling.seed + i) % 2**63
         req = GenerationRequest(
             request_id=f"{stream.id}-{i}",
             prompt_ids=prompt_ids(self._tokenizer, self.spec, text, voice),
-            sampling=sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i),
+            sampling=replace(sampling, seed=seed),
             max_new_tokens=limit,
             stop_ids=self.spec.stop_ids(),
             constrain_audio=cfg.constrain_audio,
+            priority=i > 0,  # a stream already speaking goes before new ones
         )
         return req, kind
 
@@ -372,6 +543,9 @@ class OrpheusEngine:
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed")
+            failure = self._failure or getattr(self._backend, "failure", None)
+            if failure is not None:
+                raise EngineFailedError(f"engine failed: {failure}")
             if len(self._open) >= self.config.max_streams:
                 self._counters["streams_rejected"] += 1
                 raise EngineOverloadedError(f"engine at capacity ({self.config.max_streams} streams)")
@@ -382,7 +556,7 @@ class OrpheusEngine:
     def _begin(
         self, stream: _Stream, requests: list[tuple[GenerationRequest, str]], token_log: list[int] | None
     ) -> None:
-        if stream.closed:
+        if stream.closed or stream not in self._open:  # cancelled, or failed with the engine, before it began
             self._release(stream)
             return
         stream.task = self._loop.create_task(self._generate(stream, requests, token_log))
@@ -394,37 +568,57 @@ class OrpheusEngine:
         try:
             for i, (req, limit_kind) in enumerate(requests):
                 utt = worker.open(stream, last=i == len(requests) - 1)
-                parser = FrameParser(self.spec)
-                tokens = self._backend.generate(req)
-                n_tokens = 0
-                try:
-                    async for ids in tokens:
-                        n_tokens += len(ids)
-                        frames = parser.feed(ids)
-                        if len(frames):
-                            worker.push(utt, frames)
-                            self._kick_soon()
-                        if token_log is not None:
-                            token_log.extend(ids)
-                finally:
-                    await tokens.aclose()
-                    self._count_utterance(parser, n_tokens, tokens.finish_reason, limit_kind)
-                if token_log is not None:
-                    token_log.append(self.spec.end_of_speech)
-                if tokens.finish_reason == FinishReason.ERROR:
-                    raise BackendError(f"backend failed request {req.request_id}")
+                await self._generate_utterance(utt, req, limit_kind, token_log)
                 worker.end(utt)
         except asyncio.CancelledError:
             worker.drop(stream)
-            if not stream.closed:  # not the caller's cancel: the engine is shutting down
-                _post(stream, EngineClosedError("engine closed"))
+            if not stream.closed:  # not the caller's cancel: the engine is shutting down or failed
+                _post(stream, EngineClosedError("engine closed") if self._closed else EngineError("stream cancelled"))
             self._release(stream)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             worker.drop(stream)
             err = exc if isinstance(exc, EngineError) else EngineError(str(exc))
-            err.__cause__ = exc
+            if err is not exc:
+                err.__cause__ = exc
             _post(stream, err)
             self._release(stream)
+
+    async def _generate_utterance(
+        self, utt: _Utterance, req: GenerationRequest, limit_kind: str, token_log: list[int] | None
+    ) -> None:
+        """Feed one request's tokens as frames to the decoder; its first token must come within the queue timeout."""
+        parser = FrameParser(self.spec)
+        tokens = self._backend.generate(req)
+        ids_iter = tokens.__aiter__()
+        n_tokens = 0
+        try:
+            while True:
+                try:
+                    if n_tokens == 0:
+                        ids = await asyncio.wait_for(ids_iter.__anext__(), self.config.queue_timeout_s)
+                    else:
+                        ids = await ids_iter.__anext__()
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    self._count("queue_timeouts")
+                    raise EngineOverloadedError(
+                        f"no token within {self.config.queue_timeout_s:g} s (queue_timeout_s): the backend is full"
+                    ) from None
+                n_tokens += len(ids)
+                frames = parser.feed(ids)
+                if len(frames):
+                    self._worker.push(utt, frames)
+                    self._kick_soon()
+                if token_log is not None:
+                    token_log.extend(ids)
+        finally:
+            await tokens.aclose()
+            self._count_utterance(parser, n_tokens, tokens.finish_reason, limit_kind)
+        if token_log is not None:
+            token_log.append(self.spec.end_of_speech)
+        if tokens.finish_reason == FinishReason.ERROR:
+            raise BackendError(f"backend failed request {req.request_id}")
 
     def _kick_soon(self) -> None:
         if not self._kick_pending:
@@ -446,6 +640,13 @@ class OrpheusEngine:
         """Decoder thread: the final chunk of `stream` is on its way to the caller."""
         self._count("streams_completed")
         self._release(stream)
+
+    def _stream_failed(self, stream: _Stream, error: EngineError) -> None:
+        """Decoder thread: `stream` failed there (its error is on its way); stop generating for it."""
+        self._count("streams_failed_in_decoder")
+        self._release(stream)
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._cancel, stream)
 
     def _release(self, stream: _Stream) -> None:
         """Stop counting `stream` as active (once, whichever way it ended)."""
@@ -469,8 +670,10 @@ class OrpheusEngine:
 
     def stats(self) -> dict[str, Any]:
         """Counters of the whole engine: active_streams, tokens, frames, finish reasons, bad ids, decoder calls."""
+        health = self.health()
         with self._lock:
             out: dict[str, Any] = {"active_streams": len(self._open), **self._counters}
+        out["status"], out["failure"] = health["status"], health["reason"] if health["status"] == "failed" else None
         if self._worker is not None:
             out.update(self._worker.decoder.stats())
             out["decoder_ticks"] = self._worker.ticks

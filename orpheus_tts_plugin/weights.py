@@ -7,6 +7,7 @@ import logging
 import os
 
 from .config import EngineConfig
+from .errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,26 @@ def hub_repos(config: EngineConfig) -> list[str]:
     if config.decoder == "snac":
         repos.append(config.snac)
     return [r for r in dict.fromkeys(repos) if r and not os.path.isdir(r) and not r.startswith(("http://", "https://"))]
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.startswith(("/", "./", "../", "~")) or os.sep in source.strip("/").replace("/", "", 1)
+
+
+def load_error(what: str, source: str | None, exc: BaseException) -> ModelLoadError:
+    """One line saying why `what` (from `source`) could not be loaded, and how to get it."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    if source and _looks_like_path(source) and not os.path.exists(os.path.expanduser(source)):
+        return ModelLoadError(f"cannot load {what}: no such directory {source!r}")
+    offline = "offline" in first.lower() or "connect" in first.lower() or "cache" in first.lower()
+    if source and not os.path.isdir(source) and offline:
+        return ModelLoadError(
+            f"cannot load {what} {source!r}: it is not a local directory, not in the Hugging Face cache, and the "
+            "hub cannot be reached. Fetch it where there is network with `orpheus-tts download` (or "
+            "`python agent.py download-files`), or pass a local directory (`orpheus-tts make-test-model DIR` "
+            "writes random-weight test checkpoints)"
+        )
+    return ModelLoadError(f"cannot load {what} {source!r}: {type(exc).__name__}: {first}")
 
 
 def download_files(*configs: EngineConfig) -> None:

@@ -26,7 +26,7 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
     if name == "synthetic":
         from .synthetic import SyntheticBackend
 
-        return SyntheticBackend(config.synthetic, spec=spec, **options)
+        return SyntheticBackend(config.synthetic, spec=spec, max_batch_size=config.batch_size, **options)
     if config.model is None:
         raise ValueError(f"backend {name!r} needs EngineConfig.model")
     if name == "hf":
@@ -35,7 +35,7 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
         return HFBackend(
             config.model,
             device=device,
-            max_batch_size=config.max_batch_size,
+            max_batch_size=config.batch_size,
             max_seq_len=config.max_seq_len,
             spec=spec,
             **options,
@@ -44,7 +44,7 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
         from .trtllm import TrtllmBackend
 
         return TrtllmBackend(
-            config.model, spec=spec, max_batch_size=config.max_streams, max_seq_len=config.max_seq_len, **options
+            config.model, spec=spec, max_batch_size=config.batch_size, max_seq_len=config.max_seq_len, **options
         )
     if name == "vllm":
         from .vllm import VllmBackend
@@ -53,7 +53,7 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
             config.model,
             spec=spec,
             tokenizer=config.tokenizer,
-            max_batch_size=config.max_streams,
+            max_batch_size=config.batch_size,
             max_seq_len=config.max_seq_len,
             **options,
         )

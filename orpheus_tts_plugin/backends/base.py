@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ class GenerationRequest:
     max_new_tokens: int
     stop_ids: tuple[int, ...]
     constrain_audio: bool = True
+    priority: bool = False  # a continuation of a stream that is already speaking: served before new requests
 
 
 class FinishReason:
@@ -138,12 +140,43 @@ class _StepStream:
             self._box.end(error)
 
 
+class _Waiting:
+    """Requests waiting for a batch row: continuations of streams already speaking first, each in arrival order."""
+
+    def __init__(self) -> None:
+        self._first: collections.deque[_StepStream] = collections.deque()
+        self._rest: collections.deque[_StepStream] = collections.deque()
+
+    def push(self, stream: _StepStream) -> None:
+        (self._first if stream.req.priority else self._rest).append(stream)
+
+    def pop(self) -> _StepStream:
+        return (self._first or self._rest).popleft()
+
+    def remove(self, stream: _StepStream) -> bool:
+        for queue in (self._first, self._rest):
+            if stream in queue:
+                queue.remove(stream)
+                return True
+        return False
+
+    def drain(self) -> list[_StepStream]:
+        out = [*self._first, *self._rest]
+        self._first.clear()
+        self._rest.clear()
+        return out
+
+    def __len__(self) -> int:
+        return len(self._first) + len(self._rest)
+
+
 class SteppedBackend:
     """Base of in-process backends: one thread runs engine steps over every live request.
 
     Subclasses implement `_load`, `_admit`, `_step` and `_release`; this class owns the thread,
     admission, aborts (honoured before the next step) and delivery of each step's ids to the
-    event loop in one `call_soon_threadsafe` per step, never one per token.
+    event loop in one `call_soon_threadsafe` per step, never one per token. If the stepping thread
+    dies, every live and waiting request ends with a BackendError and `failure` says why.
     """
 
     name = "stepped"
@@ -153,7 +186,7 @@ class SteppedBackend:
             raise ValueError("max_batch_size must be >= 1")
         self.max_batch_size = max_batch_size
         self._cv = threading.Condition()
-        self._pending: collections.deque[_StepStream] = collections.deque()
+        self._pending = _Waiting()  # under _cv
         self._aborts: set[_StepStream] = set()
         self._live: dict[_StepStream, Any] = {}
         self._thread: threading.Thread | None = None
@@ -163,6 +196,7 @@ class SteppedBackend:
         self._counters: collections.Counter[str] = collections.Counter()
         self._max_steps_to_abort = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.failure: str | None = None  # why the stepping thread died, if it did
 
     # -- subclass hooks (run on the stepping thread) --
     def _load(self) -> None:
@@ -199,17 +233,22 @@ class SteppedBackend:
                 self._loop.call_soon_threadsafe(_set_exception, ready, exc)
                 return
             self._loop.call_soon_threadsafe(_set_result, ready)
-            self._run()
+            try:
+                self._run()
+            except BaseException as exc:  # noqa: BLE001 - no request may wait on a dead thread
+                self._die(exc)
 
         self._thread = threading.Thread(target=run, name=f"orpheus-{self.name}-steps", daemon=True)
         self._thread.start()
         await ready
 
     def generate(self, req: GenerationRequest) -> _StepStream:
+        if self.failure is not None:
+            raise BackendError(f"{self.name} backend failed: {self.failure}")
         check_loop(self._loop if self._running else None, self.name)
         stream = _StepStream(self, req)
         with self._cv:
-            self._pending.append(stream)
+            self._pending.push(stream)
             self._cv.notify()
         return stream
 
@@ -221,6 +260,7 @@ class SteppedBackend:
                 "queued_requests": len(self._pending),
                 "steps": self._step_count,
                 "max_steps_to_abort": self._max_steps_to_abort,
+                "failure": self.failure,
                 **self._counters,
             }
 
@@ -250,7 +290,7 @@ class SteppedBackend:
                     aborts, self._aborts = self._aborts, set()
                     admit: list[_StepStream] = []
                     while self._pending and len(self._live) + len(admit) < self.max_batch_size:
-                        admit.append(self._pending.popleft())
+                        admit.append(self._pending.pop())
                     for stream in aborts:
                         requested = self._abort_requested_at.pop(stream, self._step_count)
                         self._max_steps_to_abort = max(self._max_steps_to_abort, self._step_count - requested)
@@ -259,9 +299,8 @@ class SteppedBackend:
                         admit.remove(stream)
                     elif not self._drop(stream):
                         with self._cv:
-                            if stream not in self._pending:
+                            if not self._pending.remove(stream):
                                 continue
-                            self._pending.remove(stream)
                     self._counters["aborted"] += 1
                 results: list[tuple[_StepStream, list[int], str | None, BaseException | None]] = []
                 for stream in admit:
@@ -292,6 +331,17 @@ class SteppedBackend:
         finally:
             for stream in list(self._live):
                 self._drop(stream)
+
+    def _die(self, exc: BaseException) -> None:
+        """The stepping thread is going: end every live and waiting request with an error (stepping thread)."""
+        with self._cv:
+            self.failure = f"stepping thread died: {type(exc).__name__}: {exc}"
+            self._running = False
+            streams = [*self._live, *self._pending.drain()]
+            self._live.clear()
+        error = BackendError(f"{self.name} backend failed: {self.failure}")
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._loop.call_soon_threadsafe(_dispatch, [(s, [], FinishReason.ERROR, error) for s in streams])
 
     def _drop(self, stream: _StepStream) -> bool:
         """Release a live request's state; False if it was not live."""

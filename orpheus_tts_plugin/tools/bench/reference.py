@@ -7,6 +7,7 @@ streaming decoder against, behind the same FrameDecoder interface.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +31,13 @@ def reference_decode(snac: nn.Module, windows: np.ndarray) -> np.ndarray:
     return to_int16(audio).cpu().numpy()
 
 
+@dataclass
+class _WindowState(DecodeState):
+    """A DecodeState that also remembers the last WINDOW - 1 frames (the reference's history)."""
+
+    history: np.ndarray = field(default_factory=lambda: _NO_FRAMES)
+
+
 class ReferenceDecoder:
     """The reference decoding scheme behind the StreamingDecoder interface, for side-by-side benchmarks.
 
@@ -51,13 +59,17 @@ class ReferenceDecoder:
         return next(self.snac.parameters()).device
 
     def new_state(self) -> DecodeState:
-        return DecodeState()
+        return _WindowState()
 
-    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray]:
+    def release(self, state: DecodeState) -> None:
+        """Nothing to free: the history lives in the state."""
+
+    def decode(self, states: Sequence[DecodeState]) -> list[np.ndarray | Exception]:
         """Decode every new frame of `states` in its own 4-frame window: new int16 audio of each."""
-        out: list[np.ndarray] = []
+        out: list[np.ndarray | Exception] = []
         for st in states:
-            history = st.buffers[0].numpy() if st.buffers else _NO_FRAMES  # the last WINDOW - 1 frames
+            assert isinstance(st, _WindowState)
+            history = st.history  # the last WINDOW - 1 frames
             frames = np.concatenate([history, *st.pending])
             st.pending.clear()
             first_new = max(len(history), self.WINDOW - 1)
@@ -68,9 +80,10 @@ class ReferenceDecoder:
             self.calls += len(audio)
             self.frames += self.WINDOW * len(audio)
             st.frames_in += len(frames) - len(history)
-            st.buffers = None if st.final else [torch.from_numpy(frames[-(self.WINDOW - 1) :])]
-            out.append(np.concatenate(audio) if audio else _NO_AUDIO)
-            st.samples_out += out[-1].size
+            st.history = frames[-(self.WINDOW - 1) :]
+            pcm = np.concatenate(audio) if audio else _NO_AUDIO
+            out.append(pcm)
+            st.samples_out += pcm.size
         return out
 
     def stats(self) -> dict[str, object]:

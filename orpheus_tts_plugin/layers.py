@@ -1,0 +1,227 @@
+"""SNAC's decoder as streaming layers: each convolution keeps, as state, the inputs it still needs.
+
+`build_layers(snac)` mirrors `snac.decoder.model` with the same weights. A layer is called with the
+new inputs of a batch of utterances and a `Step` that knows each row's absolute position, where each
+utterance ends, and the layer buffers gathered for the rows; layers take their buffers in a fixed order
+(`Step.extend`) and leave the new ones in `Step.buffers_out`, in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .snac import LATENT_PER_FRAME, PositionalNoise
+
+
+class Step:
+    """What one batched call knows about its rows: positions, utterance ends, layer buffers."""
+
+    def __init__(self, frames_before: Tensor, end_frames: Tensor, buffers: list[Tensor], need_mask: bool):
+        self.frames_before = frames_before  # (B,)
+        self.end_frames = end_frames  # (B,) frames in the utterance, or a huge number if unknown
+        self.buffers_in = buffers
+        self.buffers_out: list[Tensor] = []
+        self.need_mask = need_mask
+
+    def positions(self, per_frame: int, delay: int, n: int) -> Tensor:
+        """Absolute positions (B, n) at a layer with `per_frame` samples a frame and `delay`."""
+        start = self.frames_before * per_frame - delay
+        return start.unsqueeze(1) + torch.arange(n, device=start.device)
+
+    def mask(self, x: Tensor, per_frame: int, delay: int) -> Tensor:
+        """Zero the inputs that lie outside the utterance (the offline decoder's zero padding)."""
+        if not self.need_mask:
+            return x
+        pos = self.positions(per_frame, delay, x.shape[-1])
+        valid = (pos >= 0) & (pos < (self.end_frames * per_frame).unsqueeze(1))
+        return x * valid.unsqueeze(1).to(x.dtype)
+
+    def extend(self, x: Tensor, keep: int) -> Tensor:
+        """Prepend this layer's buffer to `x` and keep the last `keep` samples as its next buffer.
+
+        Layers call this in a fixed order, which is the order of their buffers.
+        """
+        window = torch.cat([self.buffers_in[len(self.buffers_out)], x], -1)
+        self.buffers_out.append(window[..., window.shape[-1] - keep :])
+        return window
+
+
+def _snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor) -> Tensor:
+    """SNAC's snake activation with one temporary instead of four."""
+    y = torch.mul(x, alpha).sin_()
+    return y.mul_(y).mul_(inv_alpha).add_(x)
+
+
+class Layer:
+    """One streaming layer; `per_frame` and `delay` describe its input."""
+
+    per_frame: int
+    delay: int
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return []
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def out_per_frame(self) -> int:
+        return self.per_frame
+
+    @property
+    def out_delay(self) -> int:
+        return self.delay
+
+
+class _Snake(Layer):
+    def __init__(self, snake: nn.Module, per_frame: int, delay: int):
+        self.alpha = snake.alpha.detach()
+        self.inv_alpha = (self.alpha + 1e-9).reciprocal()
+        self.per_frame, self.delay = per_frame, delay
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        return _snake(x, self.alpha, self.inv_alpha)
+
+
+class _Pointwise(Layer):
+    """A kernel-1 convolution: no context, no state."""
+
+    def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
+        self.weight = conv.weight.detach().clone()
+        self.bias = None if conv.bias is None else conv.bias.detach().clone()
+        self.per_frame, self.delay = per_frame, delay
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        return F.conv1d(x, self.weight, self.bias)
+
+
+class _Conv(Layer):
+    """A 'same'-padded convolution streamed with the last `context` inputs as state."""
+
+    def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
+        self.weight = conv.weight.detach().clone()
+        self.bias = None if conv.bias is None else conv.bias.detach().clone()
+        self.dilation, self.groups = conv.dilation[0], conv.groups
+        self.context = self.dilation * (conv.kernel_size[0] - 1)
+        if conv.stride[0] != 1 or 2 * conv.padding[0] != self.context:
+            raise ValueError("streaming needs stride-1, symmetric 'same' padding")
+        self.channels = conv.in_channels
+        self.per_frame, self.delay = per_frame, delay
+
+    @property
+    def out_delay(self) -> int:
+        return self.delay + self.context // 2
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [(self.channels, self.context)]
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        window = step.extend(step.mask(x, self.per_frame, self.delay), self.context)
+        return F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
+
+
+class _ConvTranspose(Layer):
+    """SNAC's upsampling transposed convolution (kernel 2·stride), streamed with one input of state."""
+
+    def __init__(self, conv: nn.ConvTranspose1d, per_frame: int, delay: int):
+        self.weight = conv.weight.detach().clone()
+        self.bias = None if conv.bias is None else conv.bias.detach().clone()
+        self.stride, self.pad = conv.stride[0], conv.padding[0]
+        if conv.kernel_size[0] != 2 * self.stride or conv.output_padding[0] != 0 or conv.groups != 1:
+            raise ValueError("streaming needs kernel 2·stride, even stride, no groups")
+        self.channels = conv.in_channels
+        self.per_frame, self.delay = per_frame, delay
+
+    @property
+    def out_per_frame(self) -> int:
+        return self.per_frame * self.stride
+
+    @property
+    def out_delay(self) -> int:
+        return self.delay * self.stride + self.pad
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [(self.channels, 1)]
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        x = step.mask(x, self.per_frame, self.delay)
+        n = x.shape[-1]
+        window = step.extend(x, 1)
+        y = F.conv_transpose1d(window, self.weight, self.bias, stride=self.stride)
+        return y[..., self.stride : (n + 1) * self.stride]
+
+
+class _Noise(Layer):
+    def __init__(self, noise: PositionalNoise, per_frame: int, delay: int):
+        self.noise = noise
+        self.weight = noise.linear.weight.detach().clone()
+        self.per_frame, self.delay = per_frame, delay
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        pos = step.positions(self.per_frame, self.delay, x.shape[-1])
+        return F.conv1d(x, self.weight).mul_(self.noise.noise(pos).unsqueeze(1)).add_(x)
+
+
+class _Residual(Layer):
+    """x + block(x), the skip path delayed by the block's look-ahead."""
+
+    def __init__(self, unit: nn.Module, per_frame: int, delay: int):
+        snake1, conv, snake2, pointwise = unit.block
+        self.layers: list[Layer] = [_Snake(snake1, per_frame, delay), _Conv(conv, per_frame, delay)]
+        inner_delay = self.layers[1].out_delay
+        self.layers += [_Snake(snake2, per_frame, inner_delay), _Pointwise(pointwise, per_frame, inner_delay)]
+        self.lag = inner_delay - delay
+        self.channels = conv.in_channels
+        self.per_frame, self.delay = per_frame, delay
+
+    @property
+    def out_delay(self) -> int:
+        return self.delay + self.lag
+
+    def buffer_shapes(self) -> list[tuple[int, int]]:
+        return [s for layer in self.layers for s in layer.buffer_shapes()] + [(self.channels, self.lag)]
+
+    def __call__(self, x: Tensor, step: Step) -> Tensor:
+        y = x
+        for layer in self.layers:
+            y = layer(y, step)
+        skip = step.extend(x, self.lag)
+        return y.add_(skip[..., : x.shape[-1]])
+
+
+def build_layers(snac: nn.Module) -> list[Layer]:
+    """Streaming layers mirroring snac.decoder.model, sharing its weights."""
+    from snac.layers import DecoderBlock, ResidualUnit, Snake1d
+
+    layers: list[Layer] = []
+    per_frame, delay = LATENT_PER_FRAME, 0
+
+    def add(layer: Layer) -> None:
+        nonlocal per_frame, delay
+        layers.append(layer)
+        per_frame, delay = layer.out_per_frame, layer.out_delay
+
+    for module in snac.decoder.model:
+        if isinstance(module, DecoderBlock):
+            for sub in module.block:
+                if isinstance(sub, Snake1d):
+                    add(_Snake(sub, per_frame, delay))
+                elif isinstance(sub, nn.ConvTranspose1d):
+                    add(_ConvTranspose(sub, per_frame, delay))
+                elif isinstance(sub, PositionalNoise):
+                    add(_Noise(sub, per_frame, delay))
+                elif isinstance(sub, ResidualUnit):
+                    add(_Residual(sub, per_frame, delay))
+                else:
+                    raise ValueError(f"unexpected SNAC decoder block layer {type(sub).__name__}")
+        elif isinstance(module, Snake1d):
+            add(_Snake(module, per_frame, delay))
+        elif isinstance(module, nn.Conv1d):
+            add(_Pointwise(module, per_frame, delay) if module.kernel_size[0] == 1 else _Conv(module, per_frame, delay))
+        elif isinstance(module, nn.Tanh):
+            continue  # applied at the end of _run
+        else:
+            raise ValueError(f"unexpected SNAC decoder layer {type(module).__name__} (deterministic noise not set?)")
+    return layers

@@ -389,16 +389,20 @@ class OrpheusEngine:
     async def _boot(self) -> None:
         from .backends import make_backend, make_tokenizer
         from .decoder import make_decoder
-        from .weights import load_error
+        from .weights import load_error, require_weights
 
         cfg = self.config
         device = cfg.resolved_device()
         source = cfg.tokenizer or cfg.model
         try:
+            if cfg.backend != "remote" or cfg.tokenizer:
+                await asyncio.to_thread(require_weights, "the tokenizer", source)
             self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
         except (OSError, ValueError) as exc:
             raise load_error("the tokenizer", source, exc) from exc
         try:
+            if self._custom_decoder is None and cfg.decoder == "snac":
+                await asyncio.to_thread(require_weights, "SNAC", cfg.snac)
             decoder = self._custom_decoder or await asyncio.to_thread(make_decoder, cfg, device)
         except (OSError, ValueError) as exc:
             raise load_error("SNAC", cfg.snac, exc) from exc
@@ -443,22 +447,27 @@ class OrpheusEngine:
                 return
             self._failure = reason
         log.error("Orpheus engine failed: %s", reason)
-        self._end_all(EngineFailedError(f"engine failed: {reason}"))
+        orphans = self._end_all(EngineFailedError(f"engine failed: {reason}"))
         loop = self._loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._cancel_generations)
+                loop.call_soon_threadsafe(self._cancel_generations, orphans)
 
-    def _end_all(self, error: EngineError) -> None:
+    def _end_all(self, error: EngineError) -> list[_Stream]:
+        """End every open stream with `error`; the streams it ended."""
         with self._lock:
             orphans = list(self._open)
             self._open.clear()
         for stream in orphans:  # their callers are still waiting: tell them
             _post(stream, error)
+        return orphans
 
-    def _cancel_generations(self) -> None:
-        for task in asyncio.all_tasks(self._loop):
-            task.cancel()
+    @staticmethod
+    def _cancel_generations(streams: list[_Stream]) -> None:
+        """Engine loop: stop generating for streams that have already been ended."""
+        for stream in streams:
+            if stream.task is not None:
+                stream.task.cancel()
 
     def _decoder_died(self, exc: BaseException) -> None:
         self._fail(f"the decoder thread died: {type(exc).__name__}: {exc}")

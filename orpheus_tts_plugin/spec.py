@@ -71,6 +71,8 @@ class ModelSpec:
         """Return the voice to use; raise ValueError naming the valid voices if unknown."""
         if voice is None or voice == "":
             return self.default_voice
+        if not isinstance(voice, str):
+            raise TypeError(f"voice must be a str, got {type(voice).__name__} {voice!r}")
         if self.voices and voice not in self.voices:
             raise ValueError(
                 f"unknown voice {voice!r} for model family {self.name!r}; valid voices: {', '.join(self.voices)}"

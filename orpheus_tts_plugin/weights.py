@@ -46,6 +46,31 @@ def load_error(what: str, source: str | None, exc: BaseException) -> ModelLoadEr
     return ModelLoadError(f"cannot load {what} {source!r}: {type(exc).__name__}: {first}")
 
 
+def require_weights(what: str, source: str | None) -> None:
+    """ModelLoadError at once if `source` is a hub id neither cached nor reachable (not after minutes of retries)."""
+    if not source or os.path.isdir(source) or source.startswith(("http://", "https://")) or _looks_like_path(source):
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if any(isinstance(try_to_load_from_cache(source, f), str) for f in ("config.json", "tokenizer_config.json")):
+        return
+    if not constants.HF_HUB_OFFLINE and _hub_reachable(constants.ENDPOINT):
+        return
+    raise load_error(what, source, OSError("offline: not in the cache and the hub cannot be reached"))
+
+
+def _hub_reachable(endpoint: str, timeout_s: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
 def download_files(*configs: EngineConfig) -> None:
     """Fetch the weights of `configs` (default: the default config) into the Hugging Face cache."""
     from huggingface_hub import snapshot_download

@@ -106,3 +106,57 @@ def test_bench_overhead_reports_cpu_per_token(tmp_path: Path) -> None:
     assert result["tokens"] == 16 * 8 * 7
     assert result["samples_delivered"] == 16 * 8 * 2048
     assert result["host_cpu_us_per_token"] > 0
+
+
+# ---------------------------------------------------------------- first-contact errors: one line with the remedy
+
+
+def _fails(*args: str, env: dict[str, str] | None = None) -> str:
+    import os
+
+    run = subprocess.run(
+        [sys.executable, "-m", "orpheus_tts_plugin.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+    assert run.returncode == 2, run.stderr[-3000:]
+    return run.stderr
+
+
+@pytest.fixture
+def offline(tmp_path: Path) -> dict[str, str]:
+    """An empty Hugging Face cache and no hub."""
+    return {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+
+
+def test_weights_not_cached_and_no_network_is_one_line_naming_the_download_command(
+    tmp_path: Path, offline: dict[str, str]
+) -> None:
+    err = _fails("say", "Hello", "--out", str(tmp_path / "a.wav"), env=offline)
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "canopylabs/orpheus-3b-0.1-ft" in err and "orpheus-tts download" in err and "make-test-model" in err
+
+
+def test_a_wrong_path_is_one_line(tmp_path: Path, test_model_dir: Path) -> None:
+    err = _fails("say", "Hello", "--model", "/no/such/model", "--snac", str(test_model_dir / "snac"), "--out", "x.wav")
+    assert err.count("\n") == 1 and "no such directory '/no/such/model'" in err
+
+
+def test_bench_engine_without_snac_offline_is_one_line(offline: dict[str, str]) -> None:
+    err = _fails("bench", "engine", "--backend", "synthetic", "--streams", "1", "--no-progress", env=offline)
+    assert err.count("\n") == 1 and "SNAC 'hubertsiuzdak/snac_24khz'" in err and "local directory" in err
+
+
+def test_a_missing_optional_backend_is_one_line_saying_how_to_install_it(test_model_dir: Path) -> None:
+    model, snac = str(test_model_dir / "orpheus"), str(test_model_dir / "snac")
+    err = _fails("say", "Hello", "--backend", "trtllm", "--model", model, "--snac", snac, "--out", "x.wav")
+    assert err.count("\n") == 1 and "pypi.nvidia.com" in err
+
+
+def test_verbose_shows_the_traceback(tmp_path: Path, test_model_dir: Path) -> None:
+    err = _fails(
+        "--verbose", "say", "Hi", "--model", "/no/such/model", "--snac", str(test_model_dir / "snac"), "--out", "x"
+    )
+    assert "Traceback" in err and "no such directory" in err

@@ -237,6 +237,9 @@ class SteppedBackend:
                 self._run()
             except BaseException as exc:  # noqa: BLE001 - no request may wait on a dead thread
                 self._die(exc)
+            finally:
+                for stream in list(self._live):
+                    self._drop(stream)
 
         self._thread = threading.Thread(target=run, name=f"orpheus-{self.name}-steps", daemon=True)
         self._thread.start()
@@ -280,57 +283,53 @@ class SteppedBackend:
             self._cv.notify()
 
     def _run(self) -> None:
-        try:
-            while True:
-                with self._cv:
-                    while self._running and not self._pending and not self._live and not self._aborts:
-                        self._cv.wait(self._idle_wait())
-                    if not self._running:
-                        break
-                    aborts, self._aborts = self._aborts, set()
-                    admit: list[_StepStream] = []
-                    while self._pending and len(self._live) + len(admit) < self.max_batch_size:
-                        admit.append(self._pending.pop())
-                    for stream in aborts:
-                        requested = self._abort_requested_at.pop(stream, self._step_count)
-                        self._max_steps_to_abort = max(self._max_steps_to_abort, self._step_count - requested)
+        while True:
+            with self._cv:
+                while self._running and not self._pending and not self._live and not self._aborts:
+                    self._cv.wait(self._idle_wait())
+                if not self._running:
+                    break
+                aborts, self._aborts = self._aborts, set()
+                admit: list[_StepStream] = []
+                while self._pending and len(self._live) + len(admit) < self.max_batch_size:
+                    admit.append(self._pending.pop())
                 for stream in aborts:
-                    if stream in admit:
-                        admit.remove(stream)
-                    elif not self._drop(stream):
-                        with self._cv:
-                            if not self._pending.remove(stream):
-                                continue
-                    self._counters["aborted"] += 1
-                results: list[tuple[_StepStream, list[int], str | None, BaseException | None]] = []
-                for stream in admit:
-                    try:
-                        self._live[stream] = self._admit(stream.req)
-                        self._counters["admitted"] += 1
-                    except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
-                        results.append((stream, [], FinishReason.ERROR, BackendError(str(exc))))
-                if self._live:
-                    streams = list(self._live)
-                    try:
-                        outs = self._step([self._live[s] for s in streams])
-                    except Exception as exc:  # noqa: BLE001 - fail every live request, keep serving
-                        outs = [([], FinishReason.ERROR)] * len(streams)
-                        error: BaseException | None = BackendError(f"{self.name} step failed: {exc}")
-                    else:
-                        error = None
+                    requested = self._abort_requested_at.pop(stream, self._step_count)
+                    self._max_steps_to_abort = max(self._max_steps_to_abort, self._step_count - requested)
+            for stream in aborts:
+                if stream in admit:
+                    admit.remove(stream)
+                elif not self._drop(stream):
                     with self._cv:
-                        self._step_count += 1
-                    for stream, (ids, finish) in zip(streams, outs):
-                        if finish is not None:
-                            self._drop(stream)
-                            self._counters[f"finish_{finish}"] += 1
-                        results.append((stream, ids, finish, error if finish == FinishReason.ERROR else None))
-                        self._counters["tokens"] += len(ids)
-                if results:
-                    self._loop.call_soon_threadsafe(_dispatch, results)
-        finally:
-            for stream in list(self._live):
-                self._drop(stream)
+                        if not self._pending.remove(stream):
+                            continue
+                self._counters["aborted"] += 1
+            results: list[tuple[_StepStream, list[int], str | None, BaseException | None]] = []
+            for stream in admit:
+                try:
+                    self._live[stream] = self._admit(stream.req)
+                    self._counters["admitted"] += 1
+                except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
+                    results.append((stream, [], FinishReason.ERROR, BackendError(str(exc))))
+            if self._live:
+                streams = list(self._live)
+                try:
+                    outs = self._step([self._live[s] for s in streams])
+                except Exception as exc:  # noqa: BLE001 - fail every live request, keep serving
+                    outs = [([], FinishReason.ERROR)] * len(streams)
+                    error: BaseException | None = BackendError(f"{self.name} step failed: {exc}")
+                else:
+                    error = None
+                with self._cv:
+                    self._step_count += 1
+                for stream, (ids, finish) in zip(streams, outs):
+                    if finish is not None:
+                        self._drop(stream)
+                        self._counters[f"finish_{finish}"] += 1
+                    results.append((stream, ids, finish, error if finish == FinishReason.ERROR else None))
+                    self._counters["tokens"] += len(ids)
+            if results:
+                self._loop.call_soon_threadsafe(_dispatch, results)
 
     def _die(self, exc: BaseException) -> None:
         """The stepping thread is going: end every live and waiting request with an error (stepping thread)."""
@@ -338,7 +337,6 @@ class SteppedBackend:
             self.failure = f"stepping thread died: {type(exc).__name__}: {exc}"
             self._running = False
             streams = [*self._live, *self._pending.drain()]
-            self._live.clear()
         error = BackendError(f"{self.name} backend failed: {self.failure}")
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             self._loop.call_soon_threadsafe(_dispatch, [(s, [], FinishReason.ERROR, error) for s in streams])

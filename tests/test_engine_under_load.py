@@ -1,0 +1,407 @@
+"""The engine under production-like conditions, each with generation faster than decoding and slower.
+
+Order of sentences, bounded decoder work, fault isolation, bounded queueing, input checks and memory,
+through the public API: OrpheusEngine with an injected backend or decoder where a fault must be made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from orpheus_tts_plugin import (
+    EngineConfig,
+    EngineError,
+    EngineFailedError,
+    EngineOverloadedError,
+    OrpheusEngine,
+    SyntheticConfig,
+)
+from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
+from orpheus_tts_plugin.decoder import StreamingDecoder
+from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
+from orpheus_tts_plugin.text import split_sentences
+
+SIX = (
+    "The first sentence is short. Here comes the second one. A third follows it. "
+    "Then a fourth arrives at last. The fifth is nearly done. And this is the sixth."
+)
+SPEEDS = {"faster": 0.0, "slower": 300.0}  # synthetic tokens per second a stream; 0: as fast as it can step
+
+
+@pytest.fixture(params=list(SPEEDS), ids=lambda k: f"generation-{k}-than-decoding")
+def config(request: pytest.FixtureRequest, synthetic_config: EngineConfig) -> EngineConfig:
+    return replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=SPEEDS[request.param]))
+
+
+@contextlib.asynccontextmanager
+async def started(config: EngineConfig, **kwargs: Any) -> AsyncIterator[OrpheusEngine]:
+    engine = OrpheusEngine(config, **kwargs)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.aclose()
+
+
+async def pcm(engine: OrpheusEngine, text: str, **options: Any) -> np.ndarray:
+    return np.frombuffer(b"".join([c.pcm async for c in engine.synthesize(text, **options)]), "<i2")
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> int:
+    assert a.size == b.size, (a.size, b.size)
+    return int(np.abs(a.astype(int) - b.astype(int)).max()) if a.size else 0
+
+
+async def until(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+# ------------------------------------------------------------------ 1. order
+
+
+async def test_each_sentence_of_a_long_text_equals_that_sentence_spoken_alone_with_its_seed(
+    config: EngineConfig,
+) -> None:
+    config = replace(config, sentence_max_chars=40)
+    pieces = split_sentences(SIX, 40)
+    assert len(pieces) == 6
+    async with started(config) as engine:
+        whole = await pcm(engine, SIX, seed=7)
+        alone = [await pcm(engine, piece, seed=7 + i) for i, piece in enumerate(pieces)]
+    assert max_diff(whole, np.concatenate(alone)) <= 2
+
+
+async def test_eight_concurrent_multi_sentence_streams_each_come_out_in_order(config: EngineConfig) -> None:
+    config = replace(config, sentence_max_chars=40)
+    async with started(config) as engine:
+        together = await asyncio.gather(*(pcm(engine, SIX, seed=100 * k) for k in range(8)))
+        for k, got in enumerate(together):
+            expected = [await pcm(engine, p, seed=100 * k + i) for i, p in enumerate(split_sentences(SIX, 40))]
+            assert max_diff(got, np.concatenate(expected)) <= 2
+
+
+# ------------------------------------------------------------------ 2. bounded work
+
+
+async def test_a_long_backlog_is_decoded_in_bounded_calls_in_order_with_nothing_lost(config: EngineConfig) -> None:
+    text = " ".join(f"Sentence number {i} of a very long text, long enough to need many requests." for i in range(40))
+    short = replace(config.synthetic, frames_per_prompt_token=0.1)
+    config = replace(config, synthetic=short, sentence_max_chars=120)
+    pieces = split_sentences(text, 120)
+    async with started(config) as engine:
+        whole = await pcm(engine, text, seed=1)
+        stats = engine.stats()
+        alone = [await pcm(engine, p, seed=1 + i) for i, p in enumerate(pieces)]
+    assert max_diff(whole, np.concatenate(alone)) <= 2
+    assert whole.size == stats["frames"] * SAMPLES_PER_FRAME  # every frame, each once
+    first, flush = config.first_chunk_frames, 3
+    assert set(stats["decoder_calls_by_chunk"]) <= {1, first, first + flush}  # at most 4 frames an utterance
+    assert stats["decoder_padded_rows"] >= 0 and stats["decoder_free_slots"] == config.max_streams
+
+
+def test_decoder_calls_hold_at_most_four_frames_an_utterance_and_a_bounded_batch(test_model_dir) -> None:
+    decoder = StreamingDecoder(load_snac(str(test_model_dir / "snac")), max_streams=64, batch_frames=32)
+    states = [decoder.new_state() for _ in range(20)]
+    rng = np.random.default_rng(0)
+    for st in states:
+        st.pending.append(rng.integers(0, 4096, (50, TOKENS_PER_FRAME)))
+    calls = decoder.calls
+    audio = decoder.decode(states)
+    assert all(a.size == 4 * SAMPLES_PER_FRAME - decoder.latency_samples for a in audio)  # first chunks only
+    assert decoder.calls - calls == 3  # 20 rows of 4 frames in calls of at most 32 frames: 8 + 8 + 4 rows
+    assert all(st.pending_frames == 46 for st in states)
+    assert decoder.buckets() == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1)] + [
+        (1, 4),
+        (2, 4),
+        (4, 4),
+        (8, 4),
+        (1, 7),
+        (2, 7),
+        (4, 7),
+    ]
+
+
+# ------------------------------------------------------------------ 3. isolation
+
+
+def test_a_call_that_fails_is_retried_row_by_row_so_only_the_bad_row_fails(test_model_dir) -> None:
+    decoder = StreamingDecoder(load_snac(str(test_model_dir / "snac")))
+    good, bad = decoder.new_state(), decoder.new_state()
+    rng = np.random.default_rng(1)
+    good.pending.append(rng.integers(0, 4096, (4, 7)))
+    bad.pending.append(np.full((4, 7), 4096))  # out of SNAC's codebook: the call raises
+    alone = decoder.new_state()
+    alone.pending.append(good.pending[0].copy())
+    expected = StreamingDecoder(decoder.snac).decode([alone])[0]
+    out = decoder.decode([good, bad])
+    assert isinstance(out[1], Exception) and bad.frames_in == 0 and bad.pending_frames == 4  # state unchanged
+    assert max_diff(out[0], expected) <= 1 and good.frames_in == 4
+    assert decoder.stats()["decoder_failed_calls"] == 2 and bad.slot is None
+
+
+POISON_SEED = 999
+
+
+class PoisonedDecoder(StreamingDecoder):
+    """A real decoder that corrupts the frames of the stream seeded POISON_SEED (codes out of the codebook)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.poison = np.random.default_rng(POISON_SEED).integers(0, 4096, size=TOKENS_PER_FRAME)
+        self.faulted_at: float | None = None
+
+    def decode(self, states):  # type: ignore[no-untyped-def]
+        for st in states:
+            if st.frames_in == 0 and st.pending and np.array_equal(st.pending[0][0], self.poison):
+                st.pending[0] = np.full_like(st.pending[0], 4096)
+                self.faulted_at = time.perf_counter()
+        return super().decode(states)
+
+
+async def test_a_decode_fault_ends_only_its_stream_within_one_tick(config: EngineConfig, test_model_dir) -> None:
+    decoder = PoisonedDecoder(load_snac(str(test_model_dir / "snac")))
+    async with started(config, decoder=decoder) as engine:
+        expected = {s: await pcm(engine, "Good morning to you.", seed=s) for s in (1, 2, 3)}
+        ticks = engine.stats()["decoder_ticks"]
+
+        async def poisoned() -> tuple[float, int]:
+            with pytest.raises(EngineError, match="decoding failed"):
+                await pcm(engine, "Good morning to you.", seed=POISON_SEED)
+            return time.perf_counter(), engine.stats()["decoder_ticks"]
+
+        results = await asyncio.gather(poisoned(), *(pcm(engine, "Good morning to you.", seed=s) for s in (1, 2, 3)))
+        (failed_at, ticks_at_error), *others = results
+        for s, got in zip((1, 2, 3), others):
+            assert max_diff(got, expected[s]) <= 2
+        assert failed_at - decoder.faulted_at < 1.0  # the error reaches its caller at once (one tick)
+        assert ticks_at_error > ticks
+        await until(lambda: engine.stats()["active_streams"] == 0)
+        assert engine.health()["status"] == "ok"
+        assert (await pcm(engine, "Still serving.", seed=4)).size > 0
+
+
+class PoisonedBackend(SyntheticBackend):
+    """Synthetic tokens, but a request whose prompt mentions 'poison' fails when admitted."""
+
+    def _admit(self, req):  # type: ignore[no-untyped-def]
+        if b"poison" in bytes(i for i in req.prompt_ids if i < 256):
+            raise RuntimeError("injected backend fault")
+        return super()._admit(req)
+
+
+async def test_a_backend_fault_ends_only_its_stream(config: EngineConfig) -> None:
+    async with started(config, backend=PoisonedBackend(config.synthetic)) as engine:
+        good = asyncio.gather(*(pcm(engine, "Hello there.", seed=s) for s in range(3)))
+        with pytest.raises(EngineError, match="backend"):
+            await pcm(engine, "A poison pill.", seed=9)
+        assert all(a.size > 0 for a in await good)
+        await until(lambda: engine.stats()["active_streams"] == 0)
+
+
+async def test_a_caller_whose_event_loop_died_is_dropped_and_the_others_go_on(config: EngineConfig) -> None:
+    async with started(config) as engine:
+
+        def caller() -> None:  # a thread whose loop reads one chunk and then dies without closing the stream
+            loop = asyncio.new_event_loop()
+            stream = engine.synthesize(SIX * 3, seed=1)
+            loop.run_until_complete(stream.__anext__())
+            loop.close()
+
+        await asyncio.to_thread(caller)
+        assert (await pcm(engine, "Others go on.", seed=2)).size > 0
+        await until(lambda: engine.stats()["active_streams"] == 0)
+        await until(lambda: engine.stats()["backend"]["live_requests"] == 0)
+
+
+class FatalDecoder(StreamingDecoder):
+    """Kills the decoder thread (an exception that is not an Exception) after `after` calls."""
+
+    class Fatal(BaseException):
+        pass
+
+    def __init__(self, *args: Any, after: int = 3, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.after = after
+
+    def decode(self, states):  # type: ignore[no-untyped-def]
+        if self.calls >= self.after:
+            raise self.Fatal("injected thread death")
+        return super().decode(states)
+
+
+async def test_if_the_decoder_thread_dies_every_open_and_new_stream_fails_at_once(
+    config: EngineConfig, test_model_dir
+) -> None:
+    decoder = FatalDecoder(load_snac(str(test_model_dir / "snac")), after=3)
+    async with started(config, decoder=decoder) as engine:
+        streams = [engine.synthesize(SIX, seed=s) for s in range(4)]
+        with pytest.raises(EngineFailedError, match="decoder thread died"):
+            await asyncio.wait_for(asyncio.gather(*(_drain(s) for s in streams)), 30)
+        health = engine.health()
+        assert health["status"] == "failed" and "Fatal" in health["reason"]
+        assert engine.stats()["status"] == "failed" and engine.stats()["active_streams"] == 0
+        t = time.perf_counter()
+        with pytest.raises(EngineFailedError):
+            await pcm(engine, "Anyone there?")
+        assert time.perf_counter() - t < 1.0 and not engine.ready
+
+
+async def _drain(stream: Any) -> None:
+    async for _chunk in stream:
+        pass
+
+
+class DyingBackend(SyntheticBackend):
+    """Its stepping thread dies after `after` steps."""
+
+    def __init__(self, config: SyntheticConfig, after: int):
+        super().__init__(config)
+        self.after = after
+
+    def _step(self, states):  # type: ignore[no-untyped-def]
+        if self._step_count >= self.after:
+            raise SystemExit("injected stepping-thread death")
+        return super()._step(states)
+
+
+async def test_if_the_backend_thread_dies_its_streams_fail_and_new_ones_fail_at_once(config: EngineConfig) -> None:
+    async with started(config, backend=DyingBackend(config.synthetic, after=50)) as engine:
+        with pytest.raises(EngineError):
+            await asyncio.wait_for(pcm(engine, SIX * 4, seed=1), 30)
+        assert engine.health()["status"] == "failed" and "stepping thread died" in engine.health()["reason"]
+        with pytest.raises(EngineFailedError):
+            await pcm(engine, "Anyone there?")
+
+
+# ------------------------------------------------------------------ 4. admission
+
+
+class GatedBackend(SyntheticBackend):
+    """Synthetic tokens; requests whose prompt mentions 'hold' stop after their first token until `gate` is set."""
+
+    def __init__(self, config: SyntheticConfig, **kwargs: Any):
+        super().__init__(config, **kwargs)
+        self.gate = threading.Event()
+
+    def _step(self, states):  # type: ignore[no-untyped-def]
+        if not self.gate.is_set() and any(st["hold"] and st["i"] > 0 for st in states):
+            time.sleep(0.005)
+            return [([], None)] * len(states)
+        return super()._step(states)
+
+    def _admit(self, req):  # type: ignore[no-untyped-def]
+        state = super()._admit(req)
+        state["hold"] = b"hold" in bytes(i for i in req.prompt_ids if i < 256)
+        return state
+
+
+async def test_a_request_queued_behind_a_full_batch_past_the_timeout_is_overloaded(config: EngineConfig) -> None:
+    config = replace(config, max_streams=4, max_batch_size=1, queue_timeout_s=0.3)
+    backend = GatedBackend(config.synthetic, max_batch_size=1)
+    async with started(config, backend=backend) as engine:
+        holder = asyncio.ensure_future(pcm(engine, "Please hold the line.", seed=1))
+        await until(lambda: engine.stats()["backend"]["live_requests"] == 1)
+        t = time.perf_counter()
+        with pytest.raises(EngineOverloadedError, match="queue_timeout_s"):
+            await pcm(engine, "Let me in.", seed=2)
+        waited = time.perf_counter() - t
+        assert 0.3 <= waited < 5.0
+        backend.gate.set()
+        assert (await holder).size > 0
+        assert engine.stats()["queue_timeouts"] == 1
+        await until(lambda: engine.stats()["backend"]["queued_requests"] == 0)
+        assert (await pcm(engine, "Let me in now.", seed=2)).size > 0
+
+
+def test_by_default_every_admitted_stream_has_a_batch_row() -> None:
+    config = EngineConfig()
+    assert config.batch_size == config.max_streams
+
+
+# ------------------------------------------------------------------ 5. input
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "field"),
+    [
+        ({"seed": -1}, ValueError, "seed"),
+        ({"seed": 1.5}, TypeError, "seed"),
+        ({"seed": 2**64}, ValueError, "seed"),
+        ({"seed": 10**30}, ValueError, "seed"),
+        ({"seed": "7"}, TypeError, "seed"),
+        ({"seed": True}, TypeError, "seed"),
+        ({"temperature": float("inf")}, ValueError, "temperature"),
+        ({"temperature": float("nan")}, ValueError, "temperature"),
+        ({"temperature": -0.1}, ValueError, "temperature"),
+        ({"top_p": 0.0}, ValueError, "top_p"),
+        ({"top_p": 1.01}, ValueError, "top_p"),
+        ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, ValueError, "repetition_penalty"),
+        ({"max_tokens": 1.5}, TypeError, "max_tokens"),
+        ({"max_tokens": 0}, ValueError, "max_tokens"),
+        ({"stop": 3}, TypeError, "unknown sampling option"),
+        ({"voice": 3}, TypeError, "voice"),
+    ],
+    ids=str,
+)
+def test_bad_values_are_refused_before_anything_starts(options: dict, error: type, field: str) -> None:
+    engine = OrpheusEngine(EngineConfig(model=None, backend="synthetic", decoder="null"))
+    with pytest.raises(error, match=field):
+        engine.synthesize("Hello.", **options)
+    with pytest.raises(error, match=field):
+        engine.check_options(**options)
+    assert engine.health()["status"] == "not started"  # nothing was loaded for a bad request
+
+
+def test_text_must_be_a_string() -> None:
+    engine = OrpheusEngine(EngineConfig(model=None, backend="synthetic", decoder="null"))
+    with pytest.raises(TypeError, match="text must be str"):
+        engine.synthesize(b"Hello.")  # type: ignore[arg-type]
+
+
+def test_a_seed_applies_to_sentence_i_as_seed_plus_i_wrapping_below_2_63() -> None:
+    engine = OrpheusEngine(EngineConfig(model=None, backend="synthetic", decoder="null"))
+    engine._tokenizer = lambda text: {"input_ids": [ENGLISH.bos, *text.encode()]}  # no start() needed
+    voice, sampling = engine.check_options(seed=2**63 - 1)
+    seeds = [engine._request(_StreamStub(), i, "Hi.", voice, sampling)[0].sampling.seed for i in range(3)]
+    assert seeds == [2**63 - 1, 0, 1]
+
+
+class _StreamStub:
+    id = "s"
+
+
+# ------------------------------------------------------------------ 9. memory
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+async def test_rss_stays_flat_over_a_thousand_interrupted_streams(config: EngineConfig, full_snac_dir) -> None:
+    config = replace(config, snac=str(full_snac_dir))
+    rss: dict[int, float] = {}
+    async with started(config) as engine:
+        for i in range(1, 1001):
+            stream = engine.synthesize(SIX, seed=i)
+            await stream.__anext__()
+            await stream.aclose()
+            if i in (200, 1000):
+                await until(lambda: engine.stats()["active_streams"] == 0)
+                await asyncio.sleep(1.2)  # the idle decoder hands freed memory back (at most once a second)
+                rss[i] = _rss_mb()
+    assert rss[1000] - rss[200] <= 100, rss

@@ -18,6 +18,7 @@ from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE, SAMPLES_PER_FRAME
 from orpheus_tts_plugin.tools.replay import replay_offline
+from tests.stubs import SPEED_IDS, SPEEDS, GatedBackend
 
 TEXT = "Hello there. How are you today?"
 
@@ -38,11 +39,17 @@ def engine(synthetic_config: EngineConfig) -> Iterator[OrpheusEngine]:
         yield eng
 
 
-@pytest.fixture(scope="module")
-def paced(synthetic_config: EngineConfig) -> Iterator[OrpheusEngine]:
-    """Synthetic tokens at 300/s a stream (about 3.6x real time), so that streams overlap."""
-    with running(replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=300))) as eng:
+@pytest.fixture(scope="module", params=list(SPEEDS.values()), ids=SPEED_IDS)
+def paced(request: pytest.FixtureRequest, synthetic_config: EngineConfig) -> Iterator[OrpheusEngine]:
+    """Synthetic tokens as fast as they come, and at 300/s a stream (about 3.6x real time)."""
+    with running(replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=request.param))) as eng:
         yield eng
+
+
+@pytest.fixture(params=list(SPEEDS.values()), ids=SPEED_IDS)
+def speed(request: pytest.FixtureRequest, synthetic_config: EngineConfig) -> EngineConfig:
+    """The synthetic config at each generation speed."""
+    return replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=request.param))
 
 
 @pytest.fixture(scope="module")
@@ -205,17 +212,19 @@ def test_three_event_loops_in_three_threads_share_one_engine(engine: OrpheusEngi
         assert np.abs(got.astype(int) - want.astype(int)).max() <= 2  # batched vs alone: float rounding
 
 
-async def test_admission_is_limited_to_max_streams(synthetic_config: EngineConfig) -> None:
-    config = replace(synthetic_config, max_streams=1, synthetic=SyntheticConfig(tokens_per_second=200))
-    engine = OrpheusEngine(config)
+async def test_admission_is_limited_to_max_streams(speed: EngineConfig) -> None:
+    config = replace(speed, max_streams=1)
+    backend = GatedBackend(config.synthetic, after=7 * 8)
+    engine = OrpheusEngine(config, backend=backend)
     try:
-        first = engine.synthesize(TEXT)
+        first = engine.synthesize("Please hold. " + TEXT)
         await anext(first)
         assert engine.load == 1.0
         with pytest.raises(EngineOverloadedError):
             await anext(engine.synthesize(TEXT))
         await first.aclose()
         await _until(lambda: engine.stats()["active_streams"] == 0)
+        backend.gate.set()
         assert (await _collect(engine, "Again."))[-1].final
     finally:
         await engine.aclose()
@@ -258,11 +267,11 @@ async def test_hf_engine_cancel_aborts_within_one_step(hf_engine: OrpheusEngine)
     assert hf_engine.stats()["backend"]["max_steps_to_abort"] <= 1
 
 
-async def test_closing_the_engine_ends_open_streams_with_an_error(synthetic_config: EngineConfig) -> None:
+async def test_closing_the_engine_ends_open_streams_with_an_error(speed: EngineConfig) -> None:
     from orpheus_tts_plugin import EngineError
 
-    engine = OrpheusEngine(replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=100)))
-    stream = engine.synthesize(TEXT * 3)
+    engine = OrpheusEngine(speed, backend=GatedBackend(speed.synthetic, after=7 * 8))
+    stream = engine.synthesize("Please hold. " + TEXT * 3)
     await anext(stream)
     await engine.aclose()
     with pytest.raises(EngineError, match="closed"):

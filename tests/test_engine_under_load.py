@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -30,17 +29,17 @@ from orpheus_tts_plugin.decoder import StreamingDecoder
 from orpheus_tts_plugin.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from orpheus_tts_plugin.text import split_sentences
+from tests.stubs import SPEED_IDS, SPEEDS, GatedBackend
 
 SIX = (
     "The first sentence is short. Here comes the second one. A third follows it. "
     "Then a fourth arrives at last. The fifth is nearly done. And this is the sixth."
 )
-SPEEDS = {"faster": 0.0, "slower": 300.0}  # synthetic tokens per second a stream; 0: as fast as it can step
 
 
-@pytest.fixture(params=list(SPEEDS), ids=lambda k: f"generation-{k}-than-decoding")
+@pytest.fixture(params=list(SPEEDS.values()), ids=SPEED_IDS)
 def config(request: pytest.FixtureRequest, synthetic_config: EngineConfig) -> EngineConfig:
-    return replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=SPEEDS[request.param]))
+    return replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=request.param))
 
 
 @contextlib.asynccontextmanager
@@ -287,25 +286,6 @@ async def test_if_the_backend_thread_dies_its_streams_fail_and_new_ones_fail_at_
 
 
 # ------------------------------------------------------------------ 4. admission
-
-
-class GatedBackend(SyntheticBackend):
-    """Synthetic tokens; requests whose prompt mentions 'hold' stop after their first token until `gate` is set."""
-
-    def __init__(self, config: SyntheticConfig, **kwargs: Any):
-        super().__init__(config, **kwargs)
-        self.gate = threading.Event()
-
-    def _step(self, states):  # type: ignore[no-untyped-def]
-        if not self.gate.is_set() and any(st["hold"] and st["i"] > 0 for st in states):
-            time.sleep(0.005)
-            return [([], None)] * len(states)
-        return super()._step(states)
-
-    def _admit(self, req):  # type: ignore[no-untyped-def]
-        state = super()._admit(req)
-        state["hold"] = b"hold" in bytes(i for i in req.prompt_ids if i < 256)
-        return state
 
 
 async def test_a_request_queued_behind_a_full_batch_past_the_timeout_is_overloaded(config: EngineConfig) -> None:

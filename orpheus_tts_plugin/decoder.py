@@ -14,9 +14,8 @@ compiled and, on CUDA, captured as one graph per bucket.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -378,22 +377,6 @@ class NullDecoder(StreamingDecoder):
 
     def __init__(self, first_chunk_frames: int = 4, *, max_streams: int = 64):
         super().__init__(None, first_chunk_frames, max_streams=max_streams)
-
-
-@contextlib.contextmanager
-def count_aten_ops() -> Iterator[list[int]]:
-    """Count the aten operators dispatched inside the block (views included): `with count_aten_ops() as n:`."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    counter = [0]
-
-    class _Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            counter[0] += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Count():
-        yield counter
 
 
 def make_decoder(config: EngineConfig, device: str) -> FrameDecoder:

@@ -256,6 +256,24 @@ class _DecodeWorker:
         return None
 
 
+def _progress(what: str) -> Callable[[int, int], None]:
+    """A progress callback (done, total): a tqdm bar on stderr if tqdm is installed, else log lines."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda done, total: log.info("%s: %d/%d", what, done, total)
+    bar: list[Any] = []
+
+    def update(done: int, total: int) -> None:
+        if not bar:
+            bar.append(tqdm(total=total, desc=what, unit="bucket"))
+        bar[0].update(done - bar[0].n)
+        if done == total:
+            bar[0].close()
+
+    return update
+
+
 def _malloc_trim() -> Callable[[int], int] | None:
     name = ctypes.util.find_library("c")
     try:
@@ -406,6 +424,8 @@ class OrpheusEngine:
             decoder = self._custom_decoder or await asyncio.to_thread(make_decoder, cfg, device)
         except (OSError, ValueError) as exc:
             raise load_error("SNAC", cfg.snac, exc) from exc
+        if cfg.compile and hasattr(decoder, "warm"):  # compile (and capture) every bucket now, not on the hot path
+            await asyncio.to_thread(decoder.warm, _progress("compiling decoder buckets"))
         self._backend = self._custom_backend or make_backend(cfg, self.spec, device)
         try:
             await self._backend.start()

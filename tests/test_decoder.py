@@ -152,3 +152,68 @@ def test_an_utterance_that_ended_before_its_first_decode_still_starts_with_a_sho
     assert len(rest) == 2  # frames 4-7, then frame 8 with the flush
     streamed = np.concatenate([first, *rest])
     assert np.abs(streamed.astype(int) - offline_decode(snac, frames).astype(int)).max() <= 33
+
+
+# ---------------------------------------------------------------- pooled state, buckets, compilation
+
+
+@pytest.fixture(scope="module")
+def tiny(test_model_dir: Path):
+    return load_snac(str(test_model_dir / "snac"))
+
+
+def _steady(decoder: StreamingDecoder, frames: np.ndarray) -> list[list[np.ndarray]]:
+    """Stream (B, n, 7) frames one frame a tick through `decoder` in one batch, then flush: chunks per row."""
+    states = [decoder.new_state() for _ in frames]
+    out: list[list[np.ndarray]] = [[] for _ in frames]
+    for k in range(frames.shape[1] + 1):
+        for st, f in zip(states, frames):
+            if k < frames.shape[1]:
+                st.pending.append(f[k : k + 1])
+            else:
+                st.final = True
+        while any(st.ready(decoder.first_chunk_frames) and not st.done for st in states):
+            for row, audio in zip(out, decoder.decode(states)):
+                row.append(audio)
+            if k < frames.shape[1]:
+                break
+    return out
+
+
+def test_bucket_padding_never_leaks_into_another_streams_audio(tiny) -> None:
+    frames = np.stack([_frames(9, 20 + i) for i in range(3)])  # 3 rows: every call padded to 4
+    together = _steady(StreamingDecoder(tiny, max_streams=8), frames)
+    for i in range(3):
+        alone = _steady(StreamingDecoder(tiny, max_streams=8), frames[i : i + 1])[0]
+        assert np.abs(np.concatenate(together[i]).astype(int) - np.concatenate(alone).astype(int)).max() <= 1
+        assert np.abs(np.concatenate(alone).astype(int) - offline_decode(tiny, frames[i]).astype(int)).max() <= 33
+
+
+def test_a_slot_freed_mid_utterance_starts_clean_for_the_next_one(tiny) -> None:
+    decoder = StreamingDecoder(tiny, max_streams=1)
+    dropped = decoder.new_state()
+    dropped.pending.append(_frames(6, 30))
+    decoder.decode([dropped])  # takes the only slot and leaves state in it
+    decoder.release(dropped)  # a cancelled utterance
+    frames = _frames(5, 31)
+    reused = np.concatenate(_steady(decoder, frames[None])[0])
+    assert np.abs(reused.astype(int) - offline_decode(tiny, frames).astype(int)).max() <= 33
+    assert decoder.stats()["decoder_free_slots"] == 1
+
+
+def test_aten_ops_per_steady_tick_do_not_grow_with_the_streams(tiny) -> None:
+    from orpheus_tts_plugin.tools.bench.host import measure
+
+    one, many = measure(tiny, 1, False, 1), measure(tiny, 16, False, 1)
+    assert many["aten_ops_per_tick"] <= 1.2 * one["aten_ops_per_tick"]
+
+
+def test_the_compiled_decoder_decodes_what_the_eager_one_does(tiny) -> None:
+    frames = np.stack([_frames(7, 40 + i) for i in range(2)])
+    compiled = StreamingDecoder(tiny, max_streams=2, compile=True)
+    progress: list[tuple[int, int]] = []
+    compiled.warm(lambda done, total: progress.append((done, total)))
+    assert progress[-1] == (len(compiled.buckets()),) * 2
+    eager = _steady(StreamingDecoder(tiny, max_streams=2), frames)
+    for a, b in zip(_steady(compiled, frames), eager):
+        assert np.abs(np.concatenate(a).astype(int) - np.concatenate(b).astype(int)).max() <= 2

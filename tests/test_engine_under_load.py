@@ -385,3 +385,15 @@ async def test_rss_stays_flat_over_a_thousand_interrupted_streams(config: Engine
                 await asyncio.sleep(1.2)  # the idle decoder hands freed memory back (at most once a second)
                 rss[i] = _rss_mb()
     assert rss[1000] - rss[200] <= 100, rss
+
+
+async def test_a_compiled_engine_warms_every_bucket_at_start_and_speaks_as_the_eager_one(
+    synthetic_config: EngineConfig,
+) -> None:
+    config = replace(synthetic_config, max_streams=2)
+    async with started(config) as eager:
+        expected = await pcm(eager, SIX, seed=3)
+    async with started(replace(config, compile=True)) as compiled:
+        calls = compiled.stats()["decoder_calls"]  # the warm-up ran every bucket before start() returned
+        assert max_diff(await pcm(compiled, SIX, seed=3), expected) <= 2
+        assert calls == 0 and compiled.stats()["decoder_calls"] > 0

@@ -48,12 +48,18 @@ TRIM_INTERVAL_S = 1.0  # the idle decoder thread hands freed heap memory back to
 
 @dataclass(frozen=True)
 class AudioChunk:
-    """A piece of one stream's audio: int16 little-endian mono PCM."""
+    """A piece of one stream's audio: int16 little-endian mono PCM.
+
+    `utterance` is the index of the sentence it belongs to (as `OrpheusEngine.sentences` splits the text);
+    `utterance_end` marks that sentence's last chunk, `final` the stream's.
+    """
 
     pcm: bytes
     start_sample: int
     final: bool
     sample_rate: int = SAMPLE_RATE
+    utterance: int = 0
+    utterance_end: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -88,6 +94,7 @@ class _Utterance:
     """One sentence of a stream on its way through the decoder; fields guarded by the worker's lock."""
 
     stream: _Stream
+    index: int  # the sentence's place in the stream's text
     last: bool
     state: DecodeState  # decoder thread only, once opened
     incoming: list[np.ndarray] = field(default_factory=list)  # engine loop appends, decoder thread takes
@@ -121,8 +128,8 @@ class _DecodeWorker:
         self._thread.start()
 
     # -- engine loop side --
-    def open(self, stream: _Stream, last: bool) -> _Utterance:
-        utt = _Utterance(stream, last, self.decoder.new_state())
+    def open(self, stream: _Stream, index: int, last: bool) -> _Utterance:
+        utt = _Utterance(stream, index, last, self.decoder.new_state())
         with self._cv:
             self._queues.setdefault(stream, collections.deque()).append(utt)
         return utt
@@ -222,7 +229,7 @@ class _DecodeWorker:
                         del self._queues[stream]
                 if stream.closed or (audio.size == 0 and not final):
                     continue
-                chunk = AudioChunk(audio.tobytes(), stream.samples, final)
+                chunk = AudioChunk(audio.tobytes(), stream.samples, final, SAMPLE_RATE, utt.index, utt.state.done)
                 stream.samples += audio.size
                 by_loop.setdefault(stream.loop, []).append((stream, chunk))
                 if final:
@@ -514,8 +521,11 @@ class OrpheusEngine:
         end-of-speech id: what `orpheus-tts decode` replays.
         """
         voice, params = self.check_options(voice, sampling, **overrides)
-        pieces = split_sentences(text, self.config.sentence_max_chars)
-        return self._synthesize(pieces, voice, params, token_log)
+        return self._synthesize(self.sentences(text), voice, params, token_log)
+
+    def sentences(self, text: str) -> list[str]:
+        """The sentences `synthesize(text)` speaks, one request each, in order (`AudioChunk.utterance` indexes them)."""
+        return split_sentences(text, self.config.sentence_max_chars)
 
     def check_options(
         self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: float | int | None
@@ -596,7 +606,7 @@ class OrpheusEngine:
         worker = self._worker
         try:
             for i, (req, limit_kind) in enumerate(requests):
-                utt = worker.open(stream, last=i == len(requests) - 1)
+                utt = worker.open(stream, i, last=i == len(requests) - 1)
                 await self._generate_utterance(utt, req, limit_kind, token_log)
                 worker.end(utt)
         except asyncio.CancelledError:

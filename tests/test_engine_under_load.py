@@ -397,3 +397,17 @@ async def test_a_compiled_engine_warms_every_bucket_at_start_and_speaks_as_the_e
         calls = compiled.stats()["decoder_calls"]  # the warm-up ran every bucket before start() returned
         assert max_diff(await pcm(compiled, SIX, seed=3), expected) <= 2
         assert calls == 0 and compiled.stats()["decoder_calls"] > 0
+
+
+async def test_chunks_name_their_sentence_and_mark_its_end(config: EngineConfig) -> None:
+    config = replace(config, sentence_max_chars=40)
+    async with started(config) as engine:
+        pieces = engine.sentences(SIX)
+        chunks = [c async for c in engine.synthesize(SIX, seed=2)]
+        alone = [await pcm(engine, p, seed=2 + i) for i, p in enumerate(pieces)]
+    assert [c.utterance for c in chunks] == sorted(c.utterance for c in chunks)
+    assert [c.utterance for c in chunks if c.utterance_end] == list(range(len(pieces)))
+    for i, expected in enumerate(alone):
+        got = np.frombuffer(b"".join(c.pcm for c in chunks if c.utterance == i), "<i2")
+        assert max_diff(got, expected) <= 2
+    assert chunks[-1].final and chunks[-1].utterance_end

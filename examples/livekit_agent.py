@@ -10,14 +10,27 @@ to less busy workers. STT and LLM go through LiveKit Inference; VAD runs locally
     python examples/livekit_agent.py start              # or: python examples/livekit_agent.py dev
 
 Settings (environment): ORPHEUS_MODEL (hub id or local dir), ORPHEUS_BACKEND (hf | trtllm | vllm |
-remote), ORPHEUS_VOICE, ORPHEUS_MAX_CALLS (calls one worker may hold), ORPHEUS_LOAD_THRESHOLD.
+remote), ORPHEUS_VOICE, ORPHEUS_MAX_CALLS (calls one worker may hold), ORPHEUS_LOAD_THRESHOLD,
+ORPHEUS_FALLBACK_TTS (a LiveKit Inference TTS, e.g. cartesia/sonic-3, that speaks while Orpheus is
+stalled, full, loading or failed: docs/livekit.md, "Timeouts, retries and failover").
 """
 
 from __future__ import annotations
 
 import os
 
-from livekit.agents import Agent, AgentServer, AgentSession, JobContext, JobProcess, cli, inference
+from livekit.agents import (
+    Agent,
+    AgentServer,
+    AgentSession,
+    APIConnectOptions,
+    JobContext,
+    JobProcess,
+    cli,
+    inference,
+    tts,
+)
+from livekit.agents.voice.agent_session import SessionConnectOptions
 
 from orpheus_tts_plugin import EngineConfig
 from orpheus_tts_plugin import livekit as orpheus
@@ -27,6 +40,9 @@ ENGINE = EngineConfig(
     backend=os.environ.get("ORPHEUS_BACKEND", EngineConfig.backend),
 )
 VOICE = os.environ.get("ORPHEUS_VOICE", "tara")
+FALLBACK_TTS = os.environ.get("ORPHEUS_FALLBACK_TTS")
+# A stalled engine is noticed 2 s after the request or the last chunk (healthy first audio on a GPU: ~0.2 s).
+CONN_OPTIONS = SessionConnectOptions(tts_conn_options=APIConnectOptions(timeout=2.0))
 INSTRUCTIONS = (
     "You are a friendly voice assistant. Answer in short, plain spoken sentences without markdown or emojis. "
     "You may use the tags <laugh>, <chuckle> or <sigh> where a person would."
@@ -35,7 +51,7 @@ INSTRUCTIONS = (
 
 def prewarm(proc: JobProcess) -> None:
     """Runs in every job thread before its job: start loading the shared engine (once) and load a VAD."""
-    orpheus.prewarm_engine(ENGINE)  # returns at once; the first call waits if the model is still loading
+    orpheus.prewarm_engine(ENGINE)  # returns at once; the model loads in the background
     proc.userdata["vad"] = inference.VAD()
 
 
@@ -49,6 +65,15 @@ server = AgentServer(
 )
 
 
+async def voice() -> tts.TTS:
+    """Orpheus, failing over at once to FALLBACK_TTS if set; without one, wait for the model to load first."""
+    speaker = orpheus.TTS(config=ENGINE, voice=VOICE)
+    if FALLBACK_TTS:  # no retries of the same TTS: fail over on the first timeout or error
+        return tts.FallbackAdapter([speaker, inference.TTS(FALLBACK_TTS)], max_retry_per_tts=0)
+    await speaker.engine.start()  # nothing else could speak meanwhile (the worker's first call only)
+    return speaker
+
+
 @server.rtc_session()
 async def entrypoint(ctx: JobContext) -> None:
     """One call: STT → LLM → Orpheus, in this job's own event loop, on the worker's one engine."""
@@ -56,7 +81,8 @@ async def entrypoint(ctx: JobContext) -> None:
         stt=inference.STT("deepgram/nova-3"),
         llm=inference.LLM("openai/gpt-4.1-mini"),
         vad=ctx.proc.userdata["vad"],
-        tts=orpheus.TTS(config=ENGINE, voice=VOICE),
+        tts=await voice(),
+        conn_options=CONN_OPTIONS,
     )
     await session.start(agent=Agent(instructions=INSTRUCTIONS), room=ctx.room)
     session.generate_reply(instructions="Greet the user and offer your help.")

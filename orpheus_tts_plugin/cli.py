@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 import traceback
 
 from .errors import EngineError
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of ints."""
+    return tuple(int(v) for v in text.split(",") if v.strip())
 
 
 def _handler(target: str) -> dict[str, str]:
@@ -92,6 +98,24 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     for p in (dec, over):
         p.add_argument("--json", default=None)
         p.set_defaults(**_handler("tools.bench.micro:main"))
+    host = what.add_parser("host", help="aten ops and host ms per steady decoder tick, eager and compiled")
+    host.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="SNAC checkpoint")
+    host.add_argument("--streams", type=_ints, default=(1, 16, 64, 256), help="stream counts, e.g. 1,16,64,256")
+    host.add_argument("--device", default="cpu")
+    host.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    host.add_argument("--ticks", type=int, default=5, help="timed steady ticks per point")
+    host.add_argument("--no-compile", dest="compile", action="store_false", help="eager only")
+    host.add_argument("--json", default=None)
+    host.set_defaults(**_handler("tools.bench.host:main"))
+    back = what.add_parser("backend", help="tokens/s of a backend's decode step by batch size, old vs new sampler")
+    back.add_argument("--backend", default="hf", choices=("hf",))
+    back.add_argument("--model", required=True, help="model dir or hub id")
+    back.add_argument("--batch", type=_ints, default=(1, 16, 64, 256), help="batch sizes, e.g. 1,16,64,256")
+    back.add_argument("--device", default="cpu")
+    back.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    back.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
+    back.add_argument("--json", default=None)
+    back.set_defaults(**_handler("tools.bench.backend:main"))
     eng = what.add_parser("engine", help="TTFB, underruns and real-time capacity of the engine under traffic")
     bench_engine.add_arguments(eng)
     eng.set_defaults(**_handler("tools.bench.engine:main"))
@@ -115,6 +139,10 @@ def _run(target: str, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse `argv` and run the subcommand; a user-facing error is one line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO)
+    else:  # the one-line error below says it all; the engine's own log lines would repeat it
+        logging.getLogger(__package__).addHandler(logging.NullHandler())
     try:
         return _run(args.handler, args)
     except (EngineError, ImportError, FileNotFoundError, ValueError, TypeError) as exc:

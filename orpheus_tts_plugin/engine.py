@@ -32,7 +32,7 @@ import numpy as np
 from .backends.base import BackendError, FinishReason, GenerationRequest, TokenBackend
 from .codes import FrameParser
 from .config import EngineConfig, SamplingOverrides, SamplingParams
-from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError
+from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
 from .mailbox import Mailbox
 from .prompt import prompt_ids, token_budget
 from .spec import SAMPLE_RATE, ModelSpec, spec_for
@@ -364,7 +364,13 @@ class OrpheusEngine:
 
     async def start(self) -> None:
         """Load the tokenizer, backend and decoder once; safe to await from any loop, any number of times."""
-        await asyncio.wrap_future(self._begin_start())
+        try:
+            await asyncio.wrap_future(self._begin_start())
+        except EngineError as exc:  # the same error for every caller: do not let its traceback grow with each one
+            raise exc.with_traceback(None) from exc.__cause__
+        health = self.health()
+        if health["status"] == "failed":
+            raise EngineFailedError(f"engine failed: {health['reason']}")
 
     @property
     def started(self) -> bool:
@@ -400,6 +406,11 @@ class OrpheusEngine:
         try:
             loop.run_until_complete(self._boot())
         except BaseException as exc:  # noqa: BLE001 - handed to every start() caller
+            log.error("Orpheus engine failed to start: %s", exc)
+            if isinstance(exc, Exception) and not isinstance(exc, EngineError):
+                error = ModelLoadError(f"the engine failed to load: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                exc = error
             self._started.set_exception(exc)
             loop.close()
             return
@@ -557,6 +568,7 @@ class OrpheusEngine:
         finally:
             if not complete:
                 stream.closed = True
+                self._release(stream)  # the caller has left: its place is free now, its abort follows in a step
                 self._count("streams_failed" if stream.box.ended else "streams_cancelled")
                 with contextlib.suppress(RuntimeError):  # RuntimeError: the engine loop is already closed
                     self._loop.call_soon_threadsafe(self._cancel, stream)
@@ -616,6 +628,9 @@ class OrpheusEngine:
             self._release(stream)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             worker.drop(stream)
+            failure = getattr(self._backend, "failure", None)
+            if failure is not None:  # the backend's thread died: nothing will be served any more
+                self._fail(f"the {self.config.backend} backend failed: {failure}")
             err = exc if isinstance(exc, EngineError) else EngineError(str(exc))
             if err is not exc:
                 err.__cause__ = exc

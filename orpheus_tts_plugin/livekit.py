@@ -7,6 +7,12 @@ arguments for that set-up (thread executor, a `load_fnc` reporting the engine's 
 
 Importing this module registers `OrpheusPlugin` (whose `download_files()` fetches the weights) and
 does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
+
+LiveKit's contract (docs/livekit.md, "Timeouts, retries and failover"): `conn_options.timeout` bounds
+the wait for each request's first audio and for every later chunk; past it the engine request is
+aborted and `APITimeoutError` (retryable) is raised. Engine errors map to LiveKit errors in
+`_api_error`, whose `retryable` flags decide LiveKit's retries; `tts.FallbackAdapter` fails over on
+any of them.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import importlib.metadata
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +34,7 @@ from livekit.agents import (
     APIConnectOptions,
     APIError,
     APIStatusError,
+    APITimeoutError,
     JobExecutorType,
     Plugin,
     tokenize,
@@ -37,8 +44,8 @@ from livekit.agents import (
 from livekit.agents.types import NOT_GIVEN, NotGivenOr
 
 from .config import EngineConfig, SamplingOverrides
-from .engine import OrpheusEngine
-from .errors import EngineClosedError, EngineError, EngineOverloadedError
+from .engine import AudioChunk, OrpheusEngine
+from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
 from .spec import SAMPLE_RATE
 from .weights import download_files
 
@@ -162,25 +169,59 @@ class TTS(tts.TTS):
         self._streams.clear()
 
 
-async def _speak(engine: OrpheusEngine, text: str, opts: _Options, emitter: tts.AudioEmitter) -> None:
-    """Push the engine's audio for `text` into `emitter`; engine failures become LiveKit API errors."""
+async def _speak(engine: OrpheusEngine, text: str, opts: _Options, emitter: tts.AudioEmitter, timeout: float) -> None:
+    """Push the engine's audio for `text` into `emitter`, no chunk later than `timeout`; failures become API errors."""
     try:
         chunks = engine.synthesize(text, voice=opts.voice, sampling=opts.sampling)
         # aclosing: the generation is aborted the moment this task is cancelled, not at garbage collection.
         async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-            async for chunk in chunks:
+            async for chunk in _in_time(chunks, timeout):
                 if chunk.pcm:
                     emitter.push(chunk.pcm)
-    except EngineOverloadedError as exc:  # full engine: try again later, or on another worker
-        raise APIStatusError(str(exc), status_code=503, retryable=True) from exc
-    except EngineClosedError as exc:  # the worker is shutting down: this engine will not come back
-        raise APIError(str(exc), retryable=False) from exc
-    except EngineError as exc:  # a failed generation (backend error): worth one more try
-        raise APIConnectionError(str(exc)) from exc
-    except (ValueError, TypeError) as exc:  # bad text, voice or sampling value: retrying cannot help
-        raise APIStatusError(str(exc), status_code=400, retryable=False) from exc
-    except Exception as exc:  # anything else is a bug or a broken set-up, not a transient fault
-        raise APIError(f"Orpheus synthesis failed: {exc!r}", retryable=False) from exc
+    except Exception as exc:
+        raise _api_error(exc, serving=engine.health()["status"] not in ("failed", "closed")) from exc
+
+
+async def _in_time(chunks: AsyncGenerator[AudioChunk, None], timeout: float) -> AsyncIterator[AudioChunk]:
+    """The chunks of `chunks`, each within `timeout` seconds of the previous one (the first: of the request).
+
+    Past it, TimeoutError; the wait was cancelled inside the engine's generator, which aborts the
+    engine request within one engine step. The wait for a cold engine's load counts too: nothing
+    waits without bound, and a `FallbackAdapter` speaks through its next TTS while the model loads.
+    """
+    while True:
+        try:
+            yield await asyncio.wait_for(chunks.__anext__(), timeout)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:  # builtin TimeoutError from 3.11; a distinct class on 3.10
+            raise TimeoutError(f"no audio from the engine within {timeout:g} s (conn_options.timeout)") from None
+
+
+def _api_error(exc: Exception, *, serving: bool = True) -> APIError:
+    """The LiveKit error for a failed request: its class and `retryable` flag decide LiveKit's retries.
+
+    `tts.FallbackAdapter` moves to its next TTS on any error; `retryable` only decides whether this
+    TTS is first tried again, `max_retry_per_tts` times, 0.1 s and then `retry_interval` apart.
+    `serving`: the engine is not failed or closed (a stream open when a thread died gets a plain
+    EngineError; its retry could only meet EngineFailedError).
+    """
+    if isinstance(exc, TimeoutError):  # a stall or a slow engine: another try may well succeed
+        return APITimeoutError(str(exc))
+    if isinstance(exc, EngineOverloadedError):
+        # Not retryable: the engine said it is full, and LiveKit's contract does not ask for retries
+        # here (tts.py ChunkedStream._main_task retries only `retryable` errors; fallback_adapter.py
+        # FallbackChunkedStream._run fails over on any exception). Retrying would only delay the
+        # failover by 2.1 s (max_retry_per_tts=2: 0.1 s + retry_interval 2.0 s) and add load.
+        return APIStatusError(str(exc), status_code=503, retryable=False)
+    dead = (EngineClosedError, EngineFailedError, ModelLoadError)
+    if isinstance(exc, dead) or (isinstance(exc, EngineError) and not serving):  # this engine will not serve again
+        return APIError(str(exc), retryable=False)
+    if isinstance(exc, EngineError):  # one generation failed (backend or decoder fault): worth one more try
+        return APIConnectionError(str(exc))
+    if isinstance(exc, (ValueError, TypeError)):  # bad text, voice or sampling value: retrying cannot help
+        return APIStatusError(str(exc), status_code=400, retryable=False)
+    return APIError(f"Orpheus synthesis failed: {exc!r}", retryable=False)  # a bug or a broken set-up
 
 
 def _initialize(emitter: tts.AudioEmitter, *, stream: bool) -> None:
@@ -204,7 +245,7 @@ class ChunkedStream(tts.ChunkedStream):
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=False)
-        await _speak(self._engine, self._input_text, self._opts, output_emitter)
+        await _speak(self._engine, self._input_text, self._opts, output_emitter, self._conn_options.timeout)
         # no flush(): the base class ends the input, so the last audio frame itself carries is_final
 
 
@@ -228,7 +269,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                     output_emitter.start_segment(segment_id=utils.shortuuid())
                     segment_open = True
                 self._mark_started()
-                await _speak(self._engine, sentence.token, self._opts, output_emitter)
+                await _speak(self._engine, sentence.token, self._opts, output_emitter, self._conn_options.timeout)
             await forward
             if segment_open:
                 output_emitter.end_segment()
@@ -253,8 +294,8 @@ class SynthesizeStream(tts.SynthesizeStream):
 def prewarm_engine(engine: OrpheusEngine | EngineConfig | None = None) -> OrpheusEngine:
     """Start loading an engine (or a config's process-wide engine) on a daemon thread; returns at once.
 
-    Call it from `setup_fnc`: loading a 3B model outlasts the worker's initialize timeout, and
-    synthesis calls made before loading ends simply wait for it.
+    Call it from `setup_fnc`: loading a 3B model outlasts the worker's initialize timeout. A synthesis
+    made before loading ends waits for it, up to `conn_options.timeout` per attempt.
     """
     engine = _engine_for(engine)
     if not engine.started:
@@ -275,14 +316,18 @@ def engine_load_fnc(
     """A worker `load_fnc`: the engine's stream load (fraction of `max_streams` in use), in [0, 1].
 
     A call holds an engine stream only while it speaks, so give `max_jobs` (calls one worker can
-    serve) to report `active jobs / max_jobs` when that is higher. Meaningful with the thread job
-    executor only: with process executors each job has its own engine and this one stays idle.
+    serve) to report `active jobs / max_jobs` when that is higher. A failed or closed engine serves
+    nothing more, so the worker then reports itself full and LiveKit sends new calls elsewhere.
+    Meaningful with the thread job executor only: with process executors each job has its own
+    engine and this one stays idle.
     """
     engine = _engine_for(engine)
     if max_jobs is not None and max_jobs < 1:
         raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
 
     def load(server: AgentServer) -> float:
+        if engine.health()["status"] in ("failed", "closed"):
+            return 1.0
         jobs = len(server.active_jobs) / max_jobs if max_jobs else 0.0
         return min(1.0, max(engine.load, jobs))
 

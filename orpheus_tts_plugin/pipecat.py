@@ -1,13 +1,28 @@
-"""Pipecat adapter: `OrpheusTTSService` speaks through an in-process `OrpheusEngine` shared by every call."""
+"""Pipecat adapter: `OrpheusTTSService` speaks through an in-process `OrpheusEngine` shared by every call.
+
+Contracts with Pipecat 1.14's `TTSService` (services/tts_service.py), each kept in one place below:
+
+- Start-up: `start()` only begins the engine's load (`prewarm()`), so a load never runs inside
+  `PipelineWorker`'s start timeout (pipeline/worker.py, `start_timeout_secs`, 20 s by default); synthesis
+  waits for the load, `engine_ready` and the `on_engine_ready` event report it, and a failed load is
+  reported at once as a permanent error.
+- A failed request is reported as one `ErrorFrame` and its context is closed at once
+  (`_is_yielding_frames_synchronously`).
+- A context is refreshed while its request runs, so a first chunk later than `stop_frame_timeout_s`
+  never splits an utterance (`_keep_contexts_open`).
+- A context whose request failed with a reported error is not counted as a silent one
+  (`_record_context_audio_outcome`): overload is transient, never a dead service.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import field, fields, make_dataclass
 from typing import Any
 
 from pipecat.audio.utils import create_stream_resampler
-from pipecat.frames.frames import CancelFrame, Frame, StartFrame, TTSAudioRawFrame
+from pipecat.frames.frames import CancelFrame, EndFrame, Frame, StartFrame, TTSAudioRawFrame
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TTSService
 from pipecat.transcriptions.language import Language
@@ -17,7 +32,21 @@ from pipecat.utils.types import NOT_GIVEN
 
 from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
 from .engine import AudioChunk, OrpheusEngine
-from .errors import EngineClosedError, EngineError, EngineOverloadedError
+from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
+
+# How each failure is reported: (exception types, what the ErrorFrame says, Pipecat category, permanent).
+# First match wins. Permanent = the service is written off (`is_usable` False; a ServiceSwitcher with
+# ServiceSwitcherStrategyFailover moves to the next service). None = permanent only if the engine
+# itself reports that it failed or was closed (a backend thread that died, a start that raised).
+_FAILURES: tuple[tuple[tuple[type[Exception], ...], str, ErrorCategory, bool | None], ...] = (
+    ((EngineOverloadedError,), "Orpheus engine overloaded, retry shortly", ErrorCategory.RATE_LIMIT, False),
+    ((EngineFailedError,), "Orpheus engine failed", ErrorCategory.SERVER, True),
+    ((ModelLoadError,), "Orpheus engine failed to load", ErrorCategory.SERVER, True),
+    ((EngineClosedError,), "Orpheus engine closed", ErrorCategory.SERVER, True),
+    ((ValueError, TypeError), "cannot speak this text with these settings", ErrorCategory.APPLICATION, False),
+    ((Exception,), "Orpheus synthesis failed", ErrorCategory.SERVER, None),
+)
+_ENGINE_DOWN = ("failed", "closed")  # engine.health() statuses after which nothing more can be spoken
 
 
 def _delta_field() -> Any:
@@ -40,6 +69,8 @@ class OrpheusTTSService(TTSService):
 
     Pass `engine=` to share an engine you manage, or `engine_config=` (or nothing) to use the
     process-wide `OrpheusEngine.shared(config)`. The service never closes the engine.
+
+    Event handlers: `on_engine_ready(service)`, once the engine has loaded after this service started.
     """
 
     Settings = OrpheusTTSSettings
@@ -67,13 +98,38 @@ class OrpheusTTSService(TTSService):
         self._validate(store)
         super().__init__(push_start_frame=True, push_stop_frames=True, settings=store, **kwargs)
         self._streams: dict[str, AsyncGenerator[AudioChunk, None]] = {}
+        self._failed_contexts: set[str] = set()  # contexts whose request failed with a reported error
+        self._background: list[asyncio.Task[None]] = []
         # Cleared explicitly per utterance, never by a timer: a slow engine tick must not reset it mid-utterance.
         self._pcm_resampler = create_stream_resampler(clear_after_secs=None)
+        self._register_event_handler("on_engine_ready")
+
+    @property
+    def _is_yielding_frames_synchronously(self) -> bool:
+        """Always True: this service yields all its audio from run_tts, so the turn's end closes its context.
+
+        The base closes a turn's context at the turn's end (TTSStoppedFrame, then the end marker:
+        `on_turn_context_completed`) only when this flag is set, and sets it after each run_tts to
+        whether that call yielded audio (`tts_process_generator`): a service that delivers audio out
+        of band closes its contexts itself. A request that failed before any audio would thus leave
+        its context open for `stop_frame_timeout_s`, holding every later context behind it. Here the
+        flag cannot be cleared, so a failed request's context closes right after its ErrorFrame.
+        """
+        return True
+
+    @_is_yielding_frames_synchronously.setter
+    def _is_yielding_frames_synchronously(self, _: bool) -> None:
+        """Ignored (the base writes it; see the getter)."""
 
     @property
     def engine(self) -> OrpheusEngine:
         """The engine this service speaks through (possibly shared with other services)."""
         return self._engine
+
+    @property
+    def engine_ready(self) -> bool:
+        """True once the engine has loaded and serves new streams (False while loading, failed or closed)."""
+        return self._engine.ready
 
     def can_generate_metrics(self) -> bool:
         """TTFB, TTFA and usage metrics are reported."""
@@ -81,27 +137,66 @@ class OrpheusTTSService(TTSService):
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self, frame: StartFrame) -> None:
-        """Start the (shared) engine once; a failure makes this service unusable."""
+        """Begin loading the engine and return: the load never counts against the pipeline's start timeout."""
         await super().start(frame)
         try:
-            await self._engine.start()
-        except Exception as exc:  # noqa: BLE001 - any start failure is reported the Pipecat way
-            await self.push_error(
-                f"{self}: Orpheus engine failed to start: {exc}",
-                exception=exc,
-                category=ErrorCategory.SERVER,
-                force_treat_as_permanent=True,
-            )
+            self._engine.prewarm()
+        except EngineError as exc:  # a closed engine cannot load again
+            await self._report_failure(exc)
+            return
+        self._background = [
+            self.create_task(self._watch_engine_start(), name="engine_start"),
+            self.create_task(self._keep_contexts_open(), name="context_keepalive"),
+        ]
+
+    async def stop(self, frame: EndFrame) -> None:
+        """Finish speaking what is queued (the base drains the audio contexts), then stop the helpers."""
+        await super().stop(frame)
+        await self._stop_background()
 
     async def cancel(self, frame: CancelFrame) -> None:
         """Abort every engine request of this service at once."""
         await super().cancel(frame)
+        await self._stop_background()
         await self._close_all_streams()
 
     async def cleanup(self) -> None:
         """Abort whatever is still generating; the engine itself stays up for other services."""
         await super().cleanup()
+        await self._stop_background()
         await self._close_all_streams()
+
+    async def _watch_engine_start(self) -> None:
+        """Report the end of the engine's load: `on_engine_ready`, or at once a permanent error if it failed."""
+        try:
+            await self._engine.start()
+            health = self._engine.health()
+            if health["status"] == "failed":  # loaded once, failed since: start() itself succeeds
+                raise EngineFailedError(f"engine failed: {health['reason']}")
+        except Exception as exc:  # noqa: BLE001 - whatever the load raised, the service cannot speak
+            await self._report_failure(exc)
+            return
+        await self._call_event_handler("on_engine_ready")
+
+    async def _keep_contexts_open(self) -> None:
+        """Refresh the audio context of every running request a few times per `stop_frame_timeout_s`.
+
+        The base ends a context that receives nothing for `stop_frame_timeout_s` (3 s by default:
+        `_next_audio_context_item`) and puts later audio in a re-created context without a
+        TTSStartedFrame (`append_to_audio_context`); a keepalive restarts that wait
+        (`_refresh_audio_context`, as `create_context_id` does between the sentences of a turn). So a
+        first chunk that is late (engine loading, queued behind a full batch) leaves the utterance whole.
+        """
+        interval = max(self._stop_frame_timeout_s / 3, 0.01)
+        while True:
+            await asyncio.sleep(interval)
+            for context_id in list(self._streams):
+                self._refresh_audio_context(context_id)
+
+    async def _stop_background(self) -> None:
+        tasks, self._background = self._background, []
+        for task in tasks:
+            await self.cancel_task(task)
 
     # ---------------------------------------------------------------- settings
     def _validate(self, settings: OrpheusTTSSettings) -> None:
@@ -136,14 +231,16 @@ class OrpheusTTSService(TTSService):
     # ---------------------------------------------------------------- synthesis
     @traced_tts
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
-        """Stream the engine's audio for `text` as TTSAudioRawFrames at the pipeline's output rate."""
+        """Stream the engine's audio for `text` as TTSAudioRawFrames at the pipeline's output rate.
+
+        Waits for the engine's load if it is still running. A failure is reported at once, and the
+        context is then closed with the turn (see `_is_yielding_frames_synchronously`).
+        """
         settings = self._settings
         try:
             stream = self._engine.synthesize(text, voice=settings.voice, sampling=self._sampling(settings))
         except (ValueError, TypeError) as exc:
-            await self.push_error(
-                f"{self}: cannot speak {text!r}: {exc}", exception=exc, category=ErrorCategory.APPLICATION
-            )
+            await self._report_failure(exc, context_id)
             return
         self._streams[context_id] = stream
         await self.start_tts_usage_metrics(text)
@@ -153,12 +250,8 @@ class OrpheusTTSService(TTSService):
                 audio = await self._to_output_rate(chunk)
                 if audio:
                     yield TTSAudioRawFrame(audio, self.sample_rate, 1, context_id=context_id)
-        except EngineOverloadedError as exc:
-            await self._report_failure("Orpheus engine at capacity", exc, ErrorCategory.RATE_LIMIT)
-        except EngineClosedError as exc:
-            await self._report_failure("Orpheus engine closed", exc, ErrorCategory.SERVER, permanent=True)
-        except EngineError as exc:
-            await self._report_failure("Orpheus synthesis failed", exc, ErrorCategory.SERVER)
+        except Exception as exc:  # noqa: BLE001 - mapped in _report_failure; a start failure is not an EngineError
+            await self._report_failure(exc, context_id)
         finally:
             if self._streams.get(context_id) is stream:
                 del self._streams[context_id]
@@ -173,17 +266,48 @@ class OrpheusTTSService(TTSService):
             audio += await self._pcm_resampler.flush()
         return audio
 
-    async def _report_failure(
-        self, what: str, exc: EngineError, category: ErrorCategory, permanent: bool = False
-    ) -> None:
+    # ---------------------------------------------------------------- failures
+    def _classify(self, exc: Exception) -> tuple[str, ErrorCategory, bool]:
+        """What a failure means to Pipecat: the ErrorFrame's message, its category, and whether it is permanent."""
+        _, what, category, permanent = next(row for row in _FAILURES if isinstance(exc, row[0]))
+        if permanent is None:
+            permanent = self._engine.health()["status"] in _ENGINE_DOWN
+        return what, category, permanent
+
+    async def _report_failure(self, exc: Exception, context_id: str | None = None) -> None:
+        """Push one ErrorFrame for `exc` (permanent or transient, by `_FAILURES`); its context is not a silent one."""
+        what, category, permanent = self._classify(exc)
+        if context_id is not None:
+            self._failed_contexts.add(context_id)
         await self.cancel_ttfb_metrics()
         await self.push_error(
             f"{self}: {what}: {exc}", exception=exc, category=category, force_treat_as_permanent=permanent
         )
 
+    async def _record_context_audio_outcome(self, context_id: str, received_audio: bool) -> None:
+        """Count a context with no audio towards the base's write-off rule only if no error was reported for it.
+
+        The rule (`max_consecutive_zero_audio_contexts`, 3 by default: after that many completed contexts
+        in a row with no audio the base pushes a permanent error and the service is no longer given work)
+        exists for "a provider that accepts requests and stays silent ... which no error ever surfaces"
+        (TTSService.__init__ and this method's docstring in the base). A request that failed has already
+        been reported, and its own category says whether the failure is permanent; counting it again
+        would turn three transient overloads into a written-off service that a ServiceSwitcher never
+        switches back to. What resets the count is the base's: a context with audio, `set_usable(True)`,
+        and a settings update that changes something (AIService._update_settings calls set_usable(True)).
+        Contexts silent without an error (an engine that stopped producing audio) are still counted, so
+        the rule keeps catching a wedged engine.
+        """
+        if context_id in self._failed_contexts:
+            self._failed_contexts.discard(context_id)
+            if not received_audio:
+                return
+        await super()._record_context_audio_outcome(context_id, received_audio)
+
     # ---------------------------------------------------------------- interruption
     async def on_audio_context_interrupted(self, context_id: str) -> None:
         """Barge-in: abort the engine request still generating this context's audio."""
+        self._failed_contexts.discard(context_id)
         await self._close_stream(context_id)
 
     async def _close_stream(self, context_id: str) -> None:
@@ -194,3 +318,4 @@ class OrpheusTTSService(TTSService):
     async def _close_all_streams(self) -> None:
         for context_id in list(self._streams):
             await self._close_stream(context_id)
+        self._failed_contexts.clear()

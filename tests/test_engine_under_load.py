@@ -278,7 +278,7 @@ class DyingBackend(SyntheticBackend):
 
 async def test_if_the_backend_thread_dies_its_streams_fail_and_new_ones_fail_at_once(config: EngineConfig) -> None:
     async with started(config, backend=DyingBackend(config.synthetic, after=50)) as engine:
-        with pytest.raises(EngineError):
+        with pytest.raises(EngineFailedError, match="stepping thread died"):
             await asyncio.wait_for(pcm(engine, SIX * 4, seed=1), 30)
         assert engine.health()["status"] == "failed" and "stepping thread died" in engine.health()["reason"]
         with pytest.raises(EngineFailedError):

@@ -1,10 +1,13 @@
-"""The LiveKit TTS adapter with the real livekit-agents classes and a real engine (synthetic tokens, tiny SNAC)."""
+"""The LiveKit TTS adapter with the real livekit-agents classes and a real engine (synthetic tokens, tiny SNAC).
+
+Audio format, segments, metrics, options, error mapping and worker set-up. Timeouts, retries, failover,
+cancellation, admission and many event loops: test_livekit_contract.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
@@ -22,7 +25,6 @@ from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.spec import SAMPLE_RATE
 
 STORY = "Once upon a time there was a tiny model. It spoke in random noise. Everyone listened anyway."
-NO_RETRY = APIConnectOptions(max_retry=0)
 
 
 @contextlib.asynccontextmanager
@@ -44,20 +46,14 @@ def _module_engine(config: EngineConfig) -> Iterator[OrpheusEngine]:
     asyncio.run(engine.aclose())
 
 
-@pytest.fixture(scope="module")
-def engine(synthetic_config: EngineConfig) -> Iterator[OrpheusEngine]:
-    yield from _module_engine(synthetic_config)
+@pytest.fixture(scope="module", params=[0.0, 300.0], ids=["fast-generation", "paced-generation"])
+def engine(synthetic_config: EngineConfig, request: pytest.FixtureRequest) -> Iterator[OrpheusEngine]:
+    """Synthetic tokens unpaced (generation ahead of decoding, as on a GPU) or at 300/s a stream (3.6x real time).
 
-
-@pytest.fixture(scope="module")
-def paced_config(synthetic_config: EngineConfig) -> EngineConfig:
-    """Synthetic tokens at 300/s a stream (about 3.6x real time): utterances last long enough to interrupt."""
-    return replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=300))
-
-
-@pytest.fixture(scope="module")
-def paced(paced_config: EngineConfig) -> Iterator[OrpheusEngine]:
-    yield from _module_engine(paced_config)
+    Utterances are a third of the synthetic backend's usual length, to keep the paced runs short.
+    """
+    synthetic = SyntheticConfig(tokens_per_second=request.param, frames_per_prompt_token=0.5)
+    yield from _module_engine(replace(synthetic_config, synthetic=synthetic))
 
 
 def _pcm(events: list[SynthesizedAudio]) -> np.ndarray:
@@ -67,11 +63,6 @@ def _pcm(events: list[SynthesizedAudio]) -> np.ndarray:
 def _close(a: np.ndarray, b: np.ndarray) -> bool:
     """Same audio up to float rounding (the decoder's batching and chunking vary from run to run)."""
     return a.size == b.size and np.abs(a.astype(int) - b).max() <= 2
-
-
-def _idle(engine: OrpheusEngine) -> bool:
-    stats = engine.stats()
-    return stats["active_streams"] == 0 and stats["backend"]["live_requests"] == 0
 
 
 async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -151,36 +142,6 @@ async def test_stream_without_text_yields_nothing(engine: OrpheusEngine) -> None
         assert [ev async for ev in stream] == []
 
 
-# ---------------------------------------------------------------------------------------------- cancellation
-@pytest.mark.parametrize("kind", ["synthesize", "stream"])
-async def test_aclose_mid_utterance_aborts_the_engine_request(paced: OrpheusEngine, kind: str) -> None:
-    tts = orpheus.TTS(engine=paced)
-    before = paced.stats()
-    if kind == "synthesize":
-        stream = tts.synthesize(STORY)
-    else:
-        stream = tts.stream()
-        stream.push_text(STORY)
-        stream.end_input()
-    await _next_event(stream)
-    assert paced.stats()["active_streams"] == 1
-    await stream.aclose()
-    await _until(lambda: _idle(paced), timeout=1.0)  # the backend drops the request within one engine step
-    after = paced.stats()
-    assert after["streams_cancelled"] == before.get("streams_cancelled", 0) + 1
-    assert after.get("streams_completed", 0) == before.get("streams_completed", 0)
-
-
-async def test_tts_aclose_closes_its_open_streams(paced: OrpheusEngine) -> None:
-    tts = orpheus.TTS(engine=paced)
-    stream = tts.stream()
-    stream.push_text(STORY)
-    await _next_event(stream)
-    await tts.aclose()
-    await _until(lambda: _idle(paced), timeout=1.0)
-    assert paced.started  # the shared engine keeps serving
-
-
 # ---------------------------------------------------------------------------------------------- options
 async def test_update_options_applies_to_later_requests_and_rejects_bad_values(engine: OrpheusEngine) -> None:
     tts = orpheus.TTS(engine=engine, seed=5)
@@ -226,22 +187,6 @@ def _errors(tts: orpheus.TTS) -> list[TTSError]:
     return errors
 
 
-async def test_overload_is_retryable_and_a_retry_succeeds(paced_config: EngineConfig) -> None:
-    async with running(replace(paced_config, max_streams=1)) as engine:
-        tts = orpheus.TTS(engine=engine)
-        errors = _errors(tts)
-        holder = tts.synthesize(STORY)  # takes the engine's only stream
-        await _next_event(holder)
-        with pytest.raises(APIStatusError) as exc_info:
-            await tts.synthesize("No room for me.", conn_options=NO_RETRY).collect()
-        assert exc_info.value.retryable and exc_info.value.status_code == 503
-        closing: list[asyncio.Future[None]] = []
-        tts.once("error", lambda _: closing.append(asyncio.ensure_future(holder.aclose())))  # frees the stream
-        retried = tts.synthesize("Room now.", conn_options=APIConnectOptions(max_retry=3, retry_interval=0.2))
-        assert (await retried.collect()).duration > 0
-        assert not errors[0].recoverable and len(errors) >= 2 and all(e.recoverable for e in errors[1:])
-
-
 async def test_bad_input_is_not_retried(engine: OrpheusEngine) -> None:
     tts = orpheus.TTS(engine=engine)
     errors = _errors(tts)
@@ -279,41 +224,6 @@ async def test_a_closed_engine_is_not_retried(synthetic_config: EngineConfig) ->
     assert [e.recoverable for e in errors] == [False]
 
 
-# ---------------------------------------------------------------------------------------------- many loops
-def test_three_event_loops_in_three_threads_share_one_engine(engine: OrpheusEngine, paced: OrpheusEngine) -> None:
-    """Each thread gets exactly the audio of its own request, identical to the same request made alone."""
-    requests = [
-        ("tara", 11, "First caller speaks here."),
-        ("leo", 22, "The second caller says something longer."),
-        ("zoe", 33, "Third!"),
-    ]
-
-    async def speak(eng: OrpheusEngine, voice: str, seed: int, text: str) -> np.ndarray:
-        return _pcm([ev async for ev in orpheus.TTS(engine=eng, voice=voice, seed=seed).synthesize(text)])
-
-    reference = [asyncio.run(speak(engine, *req)) for req in requests]  # one at a time, unpaced engine
-    results: dict[int, np.ndarray] = {}
-    peak = 0
-    barrier = threading.Barrier(len(requests))
-
-    def job(i: int) -> None:
-        barrier.wait()
-        results[i] = asyncio.run(speak(paced, *requests[i]))  # a new event loop in this thread
-
-    threads = [threading.Thread(target=job, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        peak = max(peak, paced.stats()["active_streams"])
-        time.sleep(0.002)
-    assert peak == len(requests)  # the three requests really overlapped in the one engine
-    sizes = {ref.size for ref in reference}
-    assert len(sizes) == len(requests)  # different texts, different lengths: a mix-up cannot go unnoticed
-    for i, ref in enumerate(reference):
-        assert _close(results[i], ref)
-    assert paced.stats()["active_streams"] == 0
-
-
 # ---------------------------------------------------------------------------------------------- worker set-up
 def test_plugin_is_registered_on_import() -> None:
     assert any(isinstance(p, orpheus.OrpheusPlugin) for p in Plugin.registered_plugins)
@@ -334,19 +244,3 @@ def test_download_files_fetches_the_hub_weights_of_used_configs(monkeypatch: pyt
     orpheus.TTS(config=remote)
     orpheus.OrpheusPlugin().download_files()  # what `download-files` runs: every config this process uses
     assert "me/orpheus-tok" in fetched and not any(r.startswith("http") for r in fetched)
-
-
-async def test_engine_load_fnc_reports_stream_and_job_load(paced_config: EngineConfig) -> None:
-    from livekit.agents import AgentServer, JobExecutorType
-
-    async with running(replace(paced_config, max_streams=4)) as engine:
-        options = orpheus.server_options(engine, load_threshold=0.5)
-        assert options["job_executor_type"] is JobExecutorType.THREAD and options["load_threshold"] == 0.5
-        server = AgentServer(**options)
-        assert server.load_fnc(server) == 0.0
-        stream = orpheus.TTS(engine=engine).synthesize(STORY)
-        await _next_event(stream)
-        assert server.load_fnc(server) == 0.25
-        await stream.aclose()
-    with pytest.raises(ValueError, match="max_jobs"):
-        orpheus.engine_load_fnc(engine, max_jobs=0)

@@ -1,14 +1,20 @@
-"""OrpheusTTSService through real Pipecat pipelines: frames, rates, metrics, settings, interruption, sharing."""
+"""OrpheusTTSService through real Pipecat pipelines: frames, rates, metrics, settings, interruption, sharing.
+
+Also the harness the other Pipecat test files use: recorders, a running pipeline, engines with generation
+faster than decoding (unpaced) and slower (paced), and a synthetic backend whose stalls the test controls.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,6 +44,8 @@ from pipecat.tests.utils import run_test
 from pipecat.workers.runner import WorkerRunner
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
+from orpheus_tts_plugin.backends.base import GenerationRequest
+from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.pipecat import OrpheusTTSService
 
 Settings = OrpheusTTSService.Settings
@@ -46,6 +54,13 @@ LONG_TEXT = (
     "Thanks for calling. Our opening hours are nine to five on weekdays and ten to four on Saturdays, "
     "and we are closed on Sundays and public holidays, so please call back then if you need anything else."
 )
+# Tokens per second per stream: 0 = as fast as the backend thread steps (generation runs ahead of decoding, as
+# on a GPU); 300 = about 3.6x real time, slower than the tiny SNAC decodes (each frame decoded as it comes).
+PACINGS = {"unpaced": 0.0, "paced": 300.0}
+# A stream's audio equals the same text spoken alone within 2 int16 steps (issue 9, point 1): the exact bytes
+# depend on how frames fall into decoder calls, and that depends on the relative speed of generation and decoding.
+AUDIO_TOLERANCE = 2
+FIRST_CHUNK_TOKENS = 28  # 4 frames of 7 tokens: what the engine needs before it emits the first chunk
 
 
 # ------------------------------------------------------------------ harness
@@ -66,6 +81,13 @@ class Recorder(FrameProcessor):
     def of_type(self, *types: type) -> list[Frame]:
         return [f for _, f in self.frames if isinstance(f, types)]
 
+    def received(self) -> list[Frame]:
+        return [f for _, f in self.frames]
+
+    def arrival(self, frame: Frame) -> float:
+        """When `frame` was recorded (time.monotonic())."""
+        return next(t for t, f in self.frames if f is frame)
+
     async def wait_for(self, predicate: Callable[[Frame], bool], timeout: float = 20.0) -> Frame:
         """The first recorded frame matching `predicate`, waiting up to `timeout` seconds."""
         deadline = time.monotonic() + timeout
@@ -80,28 +102,33 @@ class Recorder(FrameProcessor):
 
 @dataclass
 class Running:
-    """A running pipeline [upstream recorder, service, downstream recorder]."""
+    """A running pipeline [upstream recorder, service, downstream recorder]; `timeouts`: on_pipeline_timeout frames."""
 
     worker: PipelineWorker
     down: Recorder
     up: Recorder
+    timeouts: list[Frame]
 
     async def send(self, *frames: Frame) -> None:
         await self.worker.queue_frames(frames)
 
 
 @asynccontextmanager
-async def running_pipeline(processor: FrameProcessor, params: PipelineParams | None = None) -> AsyncIterator[Running]:
+async def running_pipeline(
+    processor: FrameProcessor, params: PipelineParams | None = None, **worker_options: Any
+) -> AsyncIterator[Running]:
     """Run `processor` in a PipelineWorker for the block, then end it with an EndFrame (which drains audio)."""
     up, down = Recorder(FrameDirection.UPSTREAM), Recorder(FrameDirection.DOWNSTREAM)
     pipeline = Pipeline([up, processor, down])
-    worker = PipelineWorker(pipeline, params=params or PipelineParams(), cancel_on_idle_timeout=False)
+    worker = PipelineWorker(pipeline, params=params or PipelineParams(), cancel_on_idle_timeout=False, **worker_options)
+    timeouts: list[Frame] = []
+    worker.add_event_handler("on_pipeline_timeout", lambda _worker, frame: timeouts.append(frame))
     runner = WorkerRunner(handle_sigint=False)
     await runner.add_workers(worker)
     task = asyncio.create_task(runner.run())
     try:
         await down.wait_for(lambda f: isinstance(f, StartFrame), timeout=60)
-        yield Running(worker, down, up)
+        yield Running(worker, down, up, timeouts)
         await worker.queue_frame(EndFrame())
         await asyncio.wait_for(asyncio.shield(task), timeout=60)
     finally:
@@ -121,7 +148,7 @@ async def wait_until(condition: Callable[[], bool], timeout: float) -> float:
 
 
 async def run(service: OrpheusTTSService, frames: list[Frame], **kwargs) -> tuple[list[Frame], list[Frame]]:
-    """`run_test` with time for a first engine start (StartFrame waits for the engine to load)."""
+    """`run_test` with a generous start timeout (the machine is shared and slow)."""
     return await run_test(service, frames_to_send=frames, start_timeout=60, **kwargs)
 
 
@@ -143,29 +170,129 @@ def errors(frames: list[Frame]) -> list[ErrorFrame]:
     return [f for f in frames if isinstance(f, ErrorFrame)]
 
 
+def max_difference(a: bytes, b: bytes) -> int:
+    """The largest sample difference between two int16 PCM buffers of the same length."""
+    x, y = (np.frombuffer(pcm, dtype="<i2").astype(np.int32) for pcm in (a, b))
+    assert x.size == y.size, f"{x.size} samples against {y.size}"
+    return int(np.abs(x - y).max(initial=0))
+
+
+def assert_audio_matches(got: bytes, reference: bytes) -> None:
+    """Same number of samples, every sample within AUDIO_TOLERANCE of the reference."""
+    assert got and max_difference(got, reference) <= AUDIO_TOLERANCE
+
+
+def paced(config: EngineConfig, pacing: str) -> EngineConfig:
+    """`config` with the synthetic backend at one of PACINGS."""
+    return replace(config, synthetic=replace(config.synthetic, tokens_per_second=PACINGS[pacing]))
+
+
+class ThreadDeath(BaseException):
+    """Raised in the backend's stepping thread to kill it (a BaseException: nothing in the thread catches it)."""
+
+
+class ControlledBackend(SyntheticBackend):
+    """Synthetic tokens with stalls and faults the test controls through events.
+
+    `load` gates the model load (cleared: the engine's start waits); `release` gates generation
+    (cleared: each request stops after `hold_after` ids until it is set); `die` kills the stepping
+    thread at its next step; `load_error`, if given, is raised by the load; `silent`: every request
+    ends at once, with no audio and no error (a model that stopped speaking).
+    """
+
+    def __init__(
+        self,
+        config: SyntheticConfig,
+        *,
+        hold_after: int | None = None,
+        hold_load: bool = False,
+        load_error: Exception | None = None,
+        silent: bool = False,
+        max_batch_size: int = 1024,
+    ):
+        super().__init__(config, max_batch_size=max_batch_size)
+        self.hold_after = hold_after or 0
+        self.load, self.release, self.die = threading.Event(), threading.Event(), threading.Event()
+        if not hold_load:
+            self.load.set()
+        if hold_after is None:
+            self.release.set()
+        self.load_error = load_error
+        self.silent = silent
+
+    def open_gates(self) -> None:
+        """Let everything through (teardown: no thread may stay blocked)."""
+        self.load.set()
+        self.release.set()
+
+    def _load(self) -> None:
+        self.load.wait(120)
+        if self.load_error is not None:
+            raise self.load_error
+
+    def _admit(self, req: GenerationRequest) -> dict[str, Any]:
+        state = super()._admit(req)
+        if self.silent:
+            state["ids"] = [self.spec.end_of_speech]
+        return state
+
+    def _step(self, states: list[dict[str, Any]]) -> list[tuple[list[int], str | None]]:
+        if self.die.is_set():
+            raise ThreadDeath("injected: the stepping thread dies")
+        if self.release.is_set():
+            return super()._step(states)
+        moving = [st["i"] < self.hold_after for st in states]
+        if not any(moving):
+            self.release.wait(0.01)  # every request is held: idle instead of spinning
+            return [([], None)] * len(states)
+        stepped = iter(super()._step([st for st, m in zip(states, moving, strict=True) if m]))
+        return [next(stepped) if m else ([], None) for m in moving]
+
+
+@asynccontextmanager
+async def controlled_engine(config: EngineConfig, **backend_options: Any) -> AsyncIterator[OrpheusEngine]:
+    """An engine on a ControlledBackend (as `engine.backend_control`), closed at the end of the block."""
+    backend = ControlledBackend(config.synthetic, **backend_options)
+    engine = OrpheusEngine(config, backend=backend)
+    engine.backend_control = backend
+    try:
+        yield engine
+    finally:
+        backend.open_gates()
+        await engine.aclose()
+
+
 # ------------------------------------------------------------------ engines
-def _engine(config: EngineConfig):
+def closing_engine(config: EngineConfig):
+    """A module fixture's body: an engine of `config`, closed at teardown."""
     engine = OrpheusEngine(config)
     yield engine
     asyncio.run(engine.aclose())
 
 
-@pytest.fixture(scope="module")
-def engine(synthetic_config: EngineConfig):
-    """Synthetic tokens as fast as the thread steps, the real streaming decoder on the tiny SNAC."""
-    yield from _engine(synthetic_config)
+@pytest.fixture(scope="module", params=sorted(PACINGS))
+def pacing(request: pytest.FixtureRequest) -> str:
+    """Each engine-behaviour test runs with generation faster than decoding (unpaced) and slower (paced)."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def paced_engine(synthetic_config: EngineConfig):
-    """Synthetic tokens at 150/s per stream (~1.8x real time), so an utterance is still generating when cut."""
-    yield from _engine(replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=150.0)))
+def engine(synthetic_config: EngineConfig, pacing: str):
+    """Synthetic tokens at the test's pacing, the real streaming decoder on the tiny SNAC."""
+    yield from closing_engine(paced(synthetic_config, pacing))
+
+
+@pytest.fixture
+async def held_engine(synthetic_config: EngineConfig, pacing: str) -> AsyncIterator[OrpheusEngine]:
+    """Each request stops after 10 frames until `engine.backend_control.release` is set: still generating when cut."""
+    async with controlled_engine(paced(synthetic_config, pacing), hold_after=70) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def hf_engine(hf_config: EngineConfig):
     """The full stack on the tiny random Llama: the prompt (voice, text) changes the audio."""
-    yield from _engine(hf_config)
+    yield from closing_engine(hf_config)
 
 
 # ------------------------------------------------------------------ tests
@@ -184,7 +311,7 @@ async def test_speak_frame_yields_started_audio_at_pipeline_rate_then_stopped(en
     got = np.frombuffer(b"".join(f.audio for f in audio), dtype="<i2")
     reference = np.frombuffer(await engine_pcm(engine, TEXT, seed=3), dtype="<i2")
     if rate == 24_000:
-        assert np.array_equal(got, reference)  # exactly the engine's audio, nothing added or lost
+        assert_audio_matches(got.tobytes(), reference.tobytes())  # the engine's audio, nothing added or lost
     else:
         expected = soxr.resample(reference, 24_000, rate, quality="VHQ")
         assert abs(got.size - expected.size) <= 2
@@ -231,19 +358,18 @@ async def test_llm_text_is_spoken_sentence_by_sentence_in_one_context(engine: Or
 
 
 async def test_interruption_aborts_the_engine_request_and_no_audio_of_that_context_follows(
-    paced_engine: OrpheusEngine,
+    held_engine: OrpheusEngine,
 ):
-    service = OrpheusTTSService(engine=paced_engine)
-    cancelled_before = paced_engine.stats().get("streams_cancelled", 0)
+    service = OrpheusTTSService(engine=held_engine)
     async with running_pipeline(service) as p:
         await p.send(TTSSpeakFrame(LONG_TEXT))
         first = await p.down.wait_for(lambda f: isinstance(f, TTSAudioRawFrame))
-        assert paced_engine.stats()["active_streams"] == 1  # still generating
+        assert held_engine.stats()["active_streams"] == 1  # held after 10 frames: certainly still generating
 
         await p.send(InterruptionFrame())
         interruption = await p.down.wait_for(lambda f: isinstance(f, InterruptionFrame))
-        await wait_until(lambda: paced_engine.stats()["active_streams"] == 0, timeout=1.0)
-        assert paced_engine.stats()["streams_cancelled"] - cancelled_before == 1
+        await wait_until(lambda: held_engine.stats()["active_streams"] == 0, timeout=5.0)
+        assert held_engine.stats()["streams_cancelled"] == 1
         await asyncio.sleep(0.5)  # audio still in flight anywhere would arrive now
 
         frames = [f for _, f in p.down.frames]
@@ -251,12 +377,13 @@ async def test_interruption_aborts_the_engine_request_and_no_audio_of_that_conte
         assert not [f for f in after if isinstance(f, TTSAudioRawFrame) and f.context_id == first.context_id]
         assert not [f for f in after if isinstance(f, TTSStoppedFrame) and f.context_id == first.context_id]
 
+        held_engine.backend_control.release.set()
         await p.send(TTSSpeakFrame("Still here."))  # the service keeps working after a barge-in
         stopped = await p.down.wait_for(lambda f: isinstance(f, TTSStoppedFrame))
         assert stopped.context_id != first.context_id
         assert audio_by_context([f for _, f in p.down.frames]).get(stopped.context_id)
     assert not errors(p.up.of_type(ErrorFrame))
-    assert paced_engine.stats()["active_streams"] == 0
+    assert held_engine.stats()["active_streams"] == 0
 
 
 async def test_voice_update_takes_effect_on_the_next_utterance(hf_engine: OrpheusEngine):
@@ -272,8 +399,13 @@ async def test_voice_update_takes_effect_on_the_next_utterance(hf_engine: Orpheu
     )
     tara = await engine_pcm(hf_engine, "Hi there.", voice="tara", **options)
     leo = await engine_pcm(hf_engine, "Hi there.", voice="leo", **options)
-    assert tara != leo
-    assert list(audio_by_context(down).values()) == [tara, leo]
+    assert len(tara) != len(leo) or max_difference(tara, leo) > 100 * AUDIO_TOLERANCE  # voices far apart
+    # Within the tolerance, not byte for byte: the bytes depend on how frames fell into decoder calls, which
+    # follows the machine's load (a decoder slowed by 50 ms a call moved both utterances by 1 step).
+    spoken = list(audio_by_context(down).values())
+    assert len(spoken) == 2
+    assert_audio_matches(spoken[0], tara)
+    assert_audio_matches(spoken[1], leo)
     assert not errors(up)
 
 
@@ -286,18 +418,20 @@ async def test_invalid_settings_update_pushes_error_and_service_keeps_working(en
     [error] = errors(up)
     assert error.processor is service and "rejected" in error.error
     assert service.is_usable
-    assert list(audio_by_context(down).values()) == [await engine_pcm(engine, TEXT, seed=5)]
+    [spoken] = audio_by_context(down).values()
+    assert_audio_matches(spoken, await engine_pcm(engine, TEXT, seed=5))
 
 
-def test_constructor_validates_voice_and_engine_arguments(engine: OrpheusEngine, synthetic_config: EngineConfig):
+def test_constructor_validates_voice_and_engine_arguments(synthetic_config: EngineConfig):
+    engine = OrpheusEngine(synthetic_config)  # never started: validation needs no model
     with pytest.raises(ValueError, match="unknown voice"):
         OrpheusTTSService(engine=engine, settings=Settings(voice="nobody"))
     with pytest.raises(ValueError, match="either engine or engine_config"):
         OrpheusTTSService(engine=engine, engine_config=synthetic_config)
 
 
-async def test_services_share_the_process_wide_engine(synthetic_config: EngineConfig):
-    config = replace(synthetic_config, noise_seed=12345)  # a config (so an engine) no other test shares
+async def test_services_share_the_process_wide_engine(synthetic_config: EngineConfig, pacing: str):
+    config = replace(paced(synthetic_config, pacing), noise_seed=12345)  # a config (so an engine) no other test shares
     a, b = (OrpheusTTSService(engine_config=config) for _ in range(2))
     shared = OrpheusEngine.shared(config)
     assert a.engine is b.engine is shared
@@ -310,22 +444,21 @@ async def test_services_share_the_process_wide_engine(synthetic_config: EngineCo
         await shared.aclose()
 
 
-async def test_engine_at_capacity_is_reported_and_other_calls_continue(synthetic_config: EngineConfig):
-    config = replace(synthetic_config, max_streams=1, synthetic=SyntheticConfig(tokens_per_second=300.0))
-    engine = OrpheusEngine(config)
-    try:
+async def test_engine_at_capacity_is_reported_and_other_calls_continue(synthetic_config: EngineConfig, pacing: str):
+    config = replace(paced(synthetic_config, pacing), max_streams=1)
+    async with controlled_engine(config, hold_after=70) as engine:
         first, second = OrpheusTTSService(engine=engine), OrpheusTTSService(engine=engine)
         async with running_pipeline(first) as p1, running_pipeline(second) as p2:
             await p1.send(TTSSpeakFrame(LONG_TEXT))
-            await p1.down.wait_for(lambda f: isinstance(f, TTSAudioRawFrame))
+            await p1.down.wait_for(lambda f: isinstance(f, TTSAudioRawFrame))  # held: the only slot stays taken
             await p2.send(TTSSpeakFrame(TEXT))
             error = await p2.up.wait_for(lambda f: isinstance(f, ErrorFrame))
-            assert "capacity" in error.error and error.processor is second
-            await p1.down.wait_for(lambda f: isinstance(f, TTSStoppedFrame), timeout=30)
+            assert "capacity" in error.error and error.processor is second and second.is_usable
+            await p2.down.wait_for(lambda f: isinstance(f, TTSStoppedFrame))  # its context closed, not left open
+            engine.backend_control.release.set()
+            await p1.down.wait_for(lambda f: isinstance(f, TTSStoppedFrame), timeout=60)
         assert not p1.up.of_type(ErrorFrame)
         assert engine.stats()["active_streams"] == 0
-    finally:
-        await engine.aclose()
 
 
 async def test_closed_engine_is_reported_and_the_service_written_off(synthetic_config: EngineConfig):

@@ -27,27 +27,38 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from livekit.agents import (
-    DEFAULT_API_CONNECT_OPTIONS,
-    AgentServer,
-    APIConnectionError,
-    APIConnectOptions,
-    APIError,
-    APIStatusError,
-    APITimeoutError,
-    JobExecutorType,
-    Plugin,
-    tokenize,
-    tts,
-    utils,
-)
-from livekit.agents.types import NOT_GIVEN, NotGivenOr
-
 from .config import EngineConfig, SamplingOverrides
 from .engine import AudioChunk, OrpheusEngine
-from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
+from .errors import (
+    EngineClosedError,
+    EngineError,
+    EngineFailedError,
+    EngineOverloadedError,
+    ModelLoadError,
+    missing_extra,
+)
 from .spec import SAMPLE_RATE
 from .weights import download_files
+
+try:
+    from livekit.agents import (
+        DEFAULT_API_CONNECT_OPTIONS,
+        AgentServer,
+        APIConnectionError,
+        APIConnectOptions,
+        APIError,
+        APIStatusError,
+        APITimeoutError,
+        JobExecutorType,
+        Plugin,
+        tokenize,
+        tts,
+        utils,
+    )
+    from livekit.agents.types import NOT_GIVEN, NotGivenOr
+except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
+    raise missing_extra("livekit", "the LiveKit adapter", exc) from exc
+
 
 __all__ = [
     "TTS",

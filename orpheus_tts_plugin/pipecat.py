@@ -21,18 +21,29 @@ from collections.abc import AsyncGenerator
 from dataclasses import field, fields, make_dataclass
 from typing import Any
 
-from pipecat.audio.utils import create_stream_resampler
-from pipecat.frames.frames import CancelFrame, EndFrame, Frame, StartFrame, TTSAudioRawFrame
-from pipecat.services.settings import TTSSettings
-from pipecat.services.tts_service import TTSService
-from pipecat.transcriptions.language import Language
-from pipecat.utils.errors import ErrorCategory
-from pipecat.utils.tracing.service_decorators import traced_tts
-from pipecat.utils.types import NOT_GIVEN
-
 from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
 from .engine import AudioChunk, OrpheusEngine
-from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
+from .errors import (
+    EngineClosedError,
+    EngineError,
+    EngineFailedError,
+    EngineOverloadedError,
+    ModelLoadError,
+    missing_extra,
+)
+
+try:
+    from pipecat.audio.utils import create_stream_resampler
+    from pipecat.frames.frames import CancelFrame, EndFrame, Frame, StartFrame, TTSAudioRawFrame
+    from pipecat.services.settings import TTSSettings
+    from pipecat.services.tts_service import TTSService
+    from pipecat.transcriptions.language import Language
+    from pipecat.utils.errors import ErrorCategory
+    from pipecat.utils.tracing.service_decorators import traced_tts
+    from pipecat.utils.types import NOT_GIVEN
+except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
+    raise missing_extra("pipecat", "the Pipecat adapter", exc) from exc
+
 
 # How each failure is reported: (exception types, what the ErrorFrame says, Pipecat category, permanent).
 # First match wins. Permanent = the service is written off (`is_usable` False; a ServiceSwitcher with

@@ -160,3 +160,14 @@ def test_verbose_shows_the_traceback(tmp_path: Path, test_model_dir: Path) -> No
         "--verbose", "say", "Hi", "--model", "/no/such/model", "--snac", str(test_model_dir / "snac"), "--out", "x"
     )
     assert "Traceback" in err and "no such directory" in err
+
+
+@pytest.mark.parametrize(("module", "extra"), [("pipecat", "pipecat"), ("livekit", "livekit")])
+def test_an_adapter_without_its_framework_says_which_extra_to_install(module: str, extra: str) -> None:
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\n"
+        f"try:\n    import orpheus_tts_plugin.{module}\n"
+        "except ImportError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.count("\n") == 1 and f"pip install 'orpheus-tts-plugin[{extra}]'" in out

@@ -141,8 +141,9 @@ class StreamingDecoder:
         )
         self.max_streams = max_streams
         self.batch_frames = batch_frames or _pow2_at_least(max_streams)
-        self.final_chunk = first_chunk_frames + self.flush_frames
-        self.chunks = tuple(sorted({1, first_chunk_frames, self.final_chunk}))
+        # Chunk lengths: steady frames, first (and catch-up) chunks, and an utterance's last call, which holds
+        # its last m <= first_chunk_frames frames and the flush in the shortest of these that fits.
+        self.chunks = tuple(sorted({1, first_chunk_frames, self.flush_frames, first_chunk_frames + self.flush_frames}))
         # Steady 1-frame calls mask nothing once the first chunk has passed every layer's warm-up.
         self._mask_steady = first_chunk_frames < self.warmup_frames
         self._free = list(range(max_streams - 1, -1, -1))  # slot max_streams is the padding rows' scratch
@@ -201,7 +202,7 @@ class StreamingDecoder:
             row = self._plan(st)
             if row is None:
                 continue
-            n = self.final_chunk if row.ends else row.m
+            n = min(c for c in self.chunks if c >= row.m + self.flush_frames) if row.ends else row.m
             groups.setdefault(n, []).append((i, row))
         for n, rows in groups.items():
             limit = self._max_rows(n)

@@ -18,6 +18,7 @@ __all__ = [
     "ModelLoadError",
     "OrpheusEngine",
     "OrpheusTTSService",
+    "RemoteEngine",
     "SamplingOverrides",
     "SamplingParams",
     "SyntheticConfig",
@@ -25,9 +26,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Framework adapters load on first use, so importing the package never imports Pipecat."""
+    """Framework adapters and RemoteEngine load on first use: importing the package imports no Pipecat or websockets."""
     if name == "OrpheusTTSService":
         from .pipecat import OrpheusTTSService
 
         return OrpheusTTSService
+    if name == "RemoteEngine":
+        from .server.client import RemoteEngine
+
+        return RemoteEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

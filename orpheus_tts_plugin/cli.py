@@ -69,6 +69,7 @@ def _add_weights(sub: argparse._SubParsersAction) -> None:
     mk.add_argument("dir")
     mk.add_argument("--snac", choices=("full", "tiny"), default="full")
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--head-dim", type=int, default=32, help="attention head width (vLLM's CPU build needs >= 32)")
     mk.set_defaults(**_handler("tools.testmodel:make_test_model_main"))
 
     from .tools import quantize
@@ -121,12 +122,25 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     eng.set_defaults(**_handler("tools.bench.engine:main"))
 
 
+def _add_server(sub: argparse._SubParsersAction) -> None:
+    """`serve` (one engine behind WebSocket + OpenAI HTTP) and `load` (the harness that drives it)."""
+    from .server import serve
+    from .tools import load
+
+    srv = sub.add_parser("serve", help="serve one engine over WebSocket and OpenAI-compatible HTTP")
+    serve.add_arguments(srv)
+    srv.set_defaults(**_handler("server.serve:serve_main"))
+    ld = sub.add_parser("load", help="drive a serve endpoint with concurrent streams from a process pool")
+    load.add_arguments(ld)
+    ld.set_defaults(**_handler("tools.load:main"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole `orpheus-tts` command line (no subcommand module that needs torch is imported)."""
     p = argparse.ArgumentParser(prog="orpheus-tts", description=__doc__.split("\n")[0])
     p.add_argument("-v", "--verbose", action="store_true", help="show full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_say, _add_decode, _add_weights, _add_bench):
+    for add in (_add_say, _add_decode, _add_weights, _add_bench, _add_server):
         add(sub)
     return p
 

@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # Pin CPU-friendly torch first: on these machines 2.13.0 is a local CPU build; an unpinned torch pulls CUDA.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev,pipecat,livekit,phone-agent]"
+.venv/bin/python -m pip install -q -e ".[dev,pipecat,livekit,phone-agent,server]"
 # espeak-ng speaks the simulated caller's lines (phone agent demo and its end-to-end test).
 if ! command -v espeak-ng >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

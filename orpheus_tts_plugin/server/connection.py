@@ -1,0 +1,267 @@
+"""The client half of the WebSocket protocol: one connection carrying many streams, on the loop that opened it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import ssl as ssl_module
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from ..engine import AudioChunk
+from ..errors import EngineError, missing_extra
+
+try:
+    from websockets.asyncio.client import ClientConnection, connect, unix_connect
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+except ImportError as exc:
+    raise missing_extra("server", "RemoteEngine", exc) from None
+from ..mailbox import Mailbox
+from . import protocol
+
+log = logging.getLogger(__name__)
+
+Item = AudioChunk | BaseException | None  # a chunk; the error that ends a stream; None: ended, no more audio
+Deliver = Callable[[Item], None]
+
+
+def endpoint(url: str) -> tuple[str, str | None]:
+    """(WebSocket URI, Unix socket path or None) for `url`.
+
+    Accepts ws://, wss://, http:// and https:// (the stream path is added when the URL has none), and
+    unix:/path/to.sock for a server started with `--uds`.
+    """
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"ws://localhost{protocol.WS_PATH}", parts.path
+    scheme = {"http": "ws", "https": "wss", "ws": "ws", "wss": "wss"}.get(parts.scheme)
+    if scheme is None or not parts.netloc:
+        raise ValueError(f"url must be ws://HOST:PORT, wss://…, http(s)://… or unix:/PATH, got {url!r}")
+    path = parts.path if parts.path not in ("", "/") else protocol.WS_PATH
+    return urlunsplit((scheme, parts.netloc, path, parts.query, "")), None
+
+
+def to_mailbox(box: Mailbox[AudioChunk]) -> Deliver:
+    """A Deliver that feeds `box` on the same loop: chunks in, then the end or the error."""
+
+    def deliver(item: Item) -> None:
+        if box.ended:
+            return
+        if item is None:
+            box.end()
+        elif isinstance(item, BaseException):
+            box.end(item)
+        else:
+            box.put(item)
+
+    return deliver
+
+
+@dataclass
+class _Sink:
+    """A live stream as the reader sees it (connection's loop only)."""
+
+    deliver: Deliver
+    samples: int = 0
+
+
+class Connection:
+    """One WebSocket to `orpheus-tts serve`: start and cancel streams, route their frames, report loss.
+
+    `open()` returns once the server's hello and first status have arrived.
+
+    Every method runs on the loop that called `open()`. When the socket closes, every open stream
+    is ended with an EngineError at once, and `closed` resolves.
+    """
+
+    def __init__(self, ws: ClientConnection, hello: protocol.Hello, url: str, on_status: Callable[[dict], None] | None):
+        self.url = url
+        self.hello = hello
+        self.status: dict[str, Any] = {}  # the server's last `status` message
+        self._ws = ws
+        self._on_status = on_status
+        self._sinks: dict[int, _Sink] = {}
+        self._ids = itertools.count()
+        self._stats: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._out: collections.deque[str] = collections.deque()
+        self._wake = asyncio.Event()
+        self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # result: why it closed
+        self._reader = asyncio.create_task(self._read(), name="orpheus-remote-reader")
+        self._writer = asyncio.create_task(self._write(), name="orpheus-remote-writer")
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        ssl: ssl_module.SSLContext | None = None,
+        timeout_s: float = 5.0,
+        on_status: Callable[[dict], None] | None = None,
+    ) -> Connection:
+        """Connect and wait for the server's hello; EngineError if it cannot be reached or is not a serve endpoint."""
+        uri, path = endpoint(url)
+        options: dict[str, Any] = {
+            "compression": None,  # deflate on PCM costs CPU and saves little
+            "open_timeout": timeout_s,
+            "max_queue": 256,
+            "max_size": 2**22,
+            "proxy": None,
+        }
+        if uri.startswith("wss:"):
+            options["ssl"] = ssl or ssl_module.create_default_context()
+
+        async def handshake() -> tuple[ClientConnection, protocol.Hello, dict[str, Any]]:
+            ws = await (unix_connect(path, uri, **options) if path else connect(uri, **options))
+            try:
+                hello = protocol.Hello.parse(protocol.decode(await ws.recv()))
+                status = protocol.decode(await ws.recv())  # the server sends its status right after
+                if status["type"] != "status":
+                    raise protocol.ProtocolError(f"expected status after hello, got {status['type']!r}")
+                return ws, hello, status
+            except BaseException:
+                await ws.close()
+                raise
+
+        try:
+            ws, hello, status = await asyncio.wait_for(handshake(), timeout_s)
+        except (
+            OSError,
+            asyncio.TimeoutError,
+            InvalidHandshake,
+            InvalidURI,
+            ConnectionClosed,
+            protocol.ProtocolError,
+        ) as exc:
+            raise EngineError(f"cannot connect to {url}: {type(exc).__name__}: {exc}") from exc
+        conn = cls(ws, hello, url, on_status)
+        conn.status = status
+        return conn
+
+    # ---------------------------------------------------------------- streams
+    def start(self, request: protocol.Start, deliver: Deliver) -> int:
+        """Send `start`; `deliver` then gets this stream's chunks and its end. Returns the stream id."""
+        if self.closed.done():
+            raise EngineError(f"connection to {self.url} is closed")
+        sid = next(self._ids) % (protocol.MAX_STREAM_ID + 1)
+        self._sinks[sid] = _Sink(deliver)
+        self._send(protocol.encode(request.message(sid)))
+        return sid
+
+    def cancel(self, sid: int) -> None:
+        """Forget a stream and send `cancel` at once (nothing more reaches its deliver)."""
+        if self._sinks.pop(sid, None) is not None and not self.closed.done():
+            self._send(protocol.encode(protocol.cancel(sid)))
+
+    async def stream(self, request: protocol.Start) -> AsyncGenerator[AudioChunk, None]:
+        """One stream's chunks, as OrpheusEngine.synthesize yields them; leaving early cancels it on the server."""
+        box: Mailbox[AudioChunk] = Mailbox()
+        sid = self.start(request, to_mailbox(box))
+        complete = False
+        try:
+            while not complete:
+                try:
+                    chunk = await box.get()
+                except StopAsyncIteration:
+                    complete = True
+                    return
+                complete = chunk.final
+                yield chunk
+        finally:
+            if not complete and not box.ended:
+                self.cancel(sid)
+
+    async def server_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The server's stats (engine counters, load, process CPU seconds)."""
+        req = next(self._ids)
+        fut = self._stats[req] = asyncio.get_running_loop().create_future()
+        self._send(protocol.encode({"type": "stats", "req": req}))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._stats.pop(req, None)
+
+    @property
+    def live_streams(self) -> int:
+        return len(self._sinks)
+
+    async def aclose(self, error: BaseException | None = None) -> None:
+        """Close the socket; open streams end with `error` (default: an EngineError saying so)."""
+        self._end_all(error or EngineError(f"connection to {self.url} closed"))
+        self._writer.cancel()
+        with contextlib.suppress(Exception):
+            await self._ws.close()
+        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
+
+    # ---------------------------------------------------------------- socket
+    def _send(self, text: str) -> None:
+        self._out.append(text)
+        self._wake.set()
+
+    async def _write(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._out:
+                    await self._ws.send(self._out.popleft())
+
+    async def _read(self) -> None:
+        reason = "closed"
+        try:
+            async for message in self._ws:
+                if isinstance(message, bytes):
+                    self._on_audio(message)
+                else:
+                    self._on_message(protocol.decode(message))
+        except ConnectionClosed as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a broken server message ends the connection, never hangs it
+            log.exception("bad message from %s", self.url)
+            reason = f"bad message from the server: {exc!r}"
+        finally:
+            self._end_all(EngineError(f"connection to {self.url} lost ({reason})"))
+            self._writer.cancel()
+
+    def _on_audio(self, data: bytes) -> None:
+        sid = protocol.audio_stream_id(data)
+        sink = self._sinks.get(sid)
+        if sink is None:  # cancelled here while the frame was in flight
+            return
+        chunk = protocol.parse_audio(data, sink.samples)
+        sink.samples += chunk.num_samples
+        if chunk.final:
+            del self._sinks[sid]
+        sink.deliver(chunk)
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind in ("end", "error"):
+            sid = message.get("id")
+            sink = self._sinks.pop(sid, None) if sid is not None else None
+            if sink is not None:
+                sink.deliver(None if kind == "end" else protocol.exception(message))
+            elif kind == "error" and sid is None:
+                log.warning("server %s: %s", self.url, message.get("message"))
+        elif kind == "status":
+            self.status = message
+            if self._on_status is not None:
+                self._on_status(message)
+        elif kind == "stats":
+            fut = self._stats.get(message.get("req"))
+            if fut is not None and not fut.done():
+                fut.set_result(message["stats"])
+
+    def _end_all(self, error: BaseException) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink.deliver(error)
+        for fut in self._stats.values():
+            if not fut.done():
+                fut.set_exception(error)
+        if not self.closed.done():
+            self.closed.set_result(str(error))

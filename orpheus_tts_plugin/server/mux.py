@@ -1,0 +1,144 @@
+"""The server half of one WebSocket connection: many streams at once, one task per stream, one writer."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from ..errors import EngineError
+from . import protocol
+from .service import Service
+
+log = logging.getLogger(__name__)
+
+
+class Mux:
+    """Reads `start`/`cancel`/`stats` messages, runs each stream's task, and sends everything through one writer.
+
+    Everything here runs on the server's event loop. The writer owns the socket's send side, so
+    stream tasks never wait on one another's sends.
+    """
+
+    def __init__(self, websocket: WebSocket, service: Service):
+        self.ws = websocket
+        self.service = service
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # live streams by client stream id
+        self._cancelled: set[int] = set()  # ids whose cancel arrived while their task still runs
+        self._out: collections.deque[str | bytes] = collections.deque()
+        self._wake = asyncio.Event()
+        self._open = True
+
+    async def run(self) -> None:
+        """Serve the connection until the client goes away; every stream still open is then aborted."""
+        await self.ws.accept()
+        self.send(protocol.encode(self.service.hello().message()))
+        self.send(protocol.encode(self.service.status()))
+        writer = asyncio.create_task(self._write(), name="orpheus-ws-writer")
+        self.service.subscribers.add(self)
+        self.service.metrics.connections.inc()
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("text") is not None:
+                    self._handle(message["text"])
+                else:
+                    self._refuse(None, protocol.ProtocolError("binary messages are not accepted"))
+        finally:
+            self._open = False
+            self.service.subscribers.discard(self)
+            self.service.metrics.connections.dec()
+            tasks = list(self._tasks.values())
+            for task in tasks:
+                task.cancel()
+            writer.cancel()
+            await asyncio.gather(writer, *tasks, return_exceptions=True)
+
+    # ---------------------------------------------------------------- incoming
+    def _handle(self, text: str) -> None:
+        received = time.perf_counter()
+        sid: int | None = None
+        try:
+            message = protocol.decode(text)
+            kind = message["type"]
+            if kind == "stats":
+                self.send(protocol.encode({"type": "stats", "req": message.get("req"), "stats": self.service.stats()}))
+                return
+            sid = protocol.stream_id(message)
+            if kind == "cancel":
+                self._cancel(sid)
+            elif kind == "start":
+                if sid in self._tasks:
+                    raise protocol.ProtocolError(f"stream id {sid} is already in use on this connection")
+                request = protocol.Start.parse(message)
+                self._tasks[sid] = asyncio.create_task(self._pump(sid, request, received))
+            else:
+                raise protocol.ProtocolError(f"unknown message type {kind!r}")
+        except (ValueError, TypeError) as exc:  # ProtocolError is a ValueError: the client sent something wrong
+            self._refuse(sid, exc)
+
+    def _cancel(self, sid: int) -> None:
+        task = self._tasks.get(sid)
+        if task is not None:  # unknown ids are streams that already ended: nothing to do
+            self._cancelled.add(sid)
+            task.cancel()
+
+    # ---------------------------------------------------------------- one stream
+    async def _pump(self, sid: int, request: protocol.Start, received: float) -> None:
+        """Send one stream's audio; exactly one terminal message (FINAL frame, end or error) unless cancelled."""
+        final = False
+        try:
+            async for chunk in self.service.speak(request, "ws", received):
+                final = chunk.final
+                self.send(protocol.audio_frame(sid, chunk))
+            if not final:
+                self.send(protocol.encode(protocol.end(sid)))
+        except asyncio.CancelledError:
+            if sid in self._cancelled and self._open:
+                self.send(protocol.encode(protocol.end(sid, cancelled=True)))
+        except (EngineError, ValueError, TypeError) as exc:
+            self._refuse(sid, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug here must end this stream, not the connection
+            log.exception("stream %d failed", sid)
+            self._refuse(sid, EngineError(f"server error: {exc!r}"))
+        finally:
+            self._cancelled.discard(sid)
+            self._tasks.pop(sid, None)
+
+    # ---------------------------------------------------------------- outgoing
+    def send(self, message: str | bytes) -> None:
+        """Queue a message for the writer (in order); dropped once the connection is closed."""
+        if self._open:
+            self._out.append(message)
+            self._wake.set()
+
+    def _refuse(self, sid: int | None, exc: BaseException) -> None:
+        self.send(protocol.encode(protocol.error(sid, exc)))
+
+    def on_status(self, message: dict[str, Any]) -> None:
+        self.send(protocol.encode(message))
+
+    async def flushed(self) -> None:
+        """Return once every queued message has been handed to the socket (or the connection is gone)."""
+        while self._out and self._open:
+            await asyncio.sleep(0.005)
+
+    async def _write(self) -> None:
+        send = self.ws.send
+        with contextlib.suppress(Exception):  # the client went away: the reader sees the disconnect and cleans up
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._out:
+                    item = self._out.popleft()
+                    if isinstance(item, bytes):
+                        await send({"type": "websocket.send", "bytes": item})
+                    else:
+                        await send({"type": "websocket.send", "text": item})

@@ -1,0 +1,141 @@
+"""What both transports share: the engine, admission while draining, readiness, per-request metrics, the drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+from ..engine import AudioChunk, OrpheusEngine
+from ..errors import EngineError, EngineOverloadedError
+from ..spec import SAMPLE_RATE
+from . import protocol
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class Subscriber(Protocol):
+    """A WebSocket connection as the service sees it: it takes status messages and can say when it has sent all."""
+
+    def on_status(self, message: dict[str, Any]) -> None: ...
+
+    async def flushed(self) -> None: ...
+
+
+class Service:
+    """One engine behind the server; every method runs on the server's (uvicorn's) event loop."""
+
+    def __init__(self, engine: OrpheusEngine):
+        self.engine = engine
+        self.draining = False  # server loop only: set once by drain(), never cleared
+        self.subscribers: set[Subscriber] = set()  # server loop only: the open WebSocket connections
+        self.metrics = Metrics(self.stats)
+
+    # ---------------------------------------------------------------- what the server says about itself
+    def hello(self) -> protocol.Hello:
+        cfg, spec = self.engine.config, self.engine.spec
+        return protocol.Hello(
+            model=cfg.model,
+            model_family=cfg.model_family,
+            voices=spec.voices,
+            default_voice=spec.default_voice,
+            sampling=cfg.sampling,
+            max_streams=cfg.max_streams,
+            sample_rate=SAMPLE_RATE,
+            sentence_max_chars=cfg.sentence_max_chars,
+        )
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, why not): not while the engine loads or has failed, while draining, or at capacity."""
+        health = self.engine.health()
+        if health["status"] != "ok":
+            return False, f"engine {health['status']}: {health['reason']}"
+        if self.draining:
+            return False, "draining"
+        if self.engine.load >= 1.0:
+            return False, f"at capacity ({self.engine.config.max_streams} streams)"
+        return True, "ok"
+
+    def status(self) -> dict[str, Any]:
+        """The `status` message: readiness, load, engine health."""
+        ready, reason = self.readiness()
+        health = self.engine.health()
+        return {
+            "type": "status",
+            "ready": ready,
+            "reason": reason,
+            "draining": self.draining,
+            "load": round(self.engine.load, 4),
+            "status": health["status"],
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats plus load, readiness and this process's CPU time (what load tests add up)."""
+        ready, _ = self.readiness()
+        return {
+            **self.engine.stats(),
+            "load": self.engine.load,
+            "ready": ready,
+            "draining": self.draining,
+            "process_cpu_s": time.process_time(),
+        }
+
+    def publish(self) -> None:
+        """Send the current status to every subscriber (each WebSocket connection)."""
+        message = self.status()
+        for subscriber in list(self.subscribers):
+            subscriber.on_status(message)
+
+    async def publish_changes(self, interval_s: float) -> None:
+        """Publish the status whenever it changed, checking every `interval_s` (runs for the server's life)."""
+        last: dict[str, Any] | None = None
+        while True:
+            current = self.status()
+            if current != last:
+                self.publish()
+                last = current
+            await asyncio.sleep(interval_s)
+
+    # ---------------------------------------------------------------- speaking
+    async def speak(self, request: protocol.Start, transport: str, received: float) -> AsyncGenerator[AudioChunk, None]:
+        """The engine's chunks for `request`, counted; `received` is when the request arrived (perf_counter)."""
+        m = self.metrics
+        m.requests.labels(transport).inc()
+        try:
+            if self.draining:
+                raise EngineOverloadedError("server is draining: retry on another replica")
+            chunks = self.engine.synthesize(request.text, voice=request.voice, sampling=request.sampling)
+            first = True
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    if first:
+                        m.ttfb.labels(transport).observe(time.perf_counter() - received)
+                        first = False
+                    yield chunk
+        except EngineOverloadedError:
+            m.rejected.labels(transport).inc()
+            raise
+        except (EngineError, ValueError, TypeError) as exc:
+            m.errors.labels(transport, protocol.error_name(exc)).inc()
+            raise
+
+    # ---------------------------------------------------------------- shutdown
+    async def drain(self, timeout_s: float, poll_s: float = 0.02) -> bool:
+        """Stop admitting, let open streams finish until `timeout_s`, then end the rest; True if none was cut."""
+        self.draining = True
+        self.publish()
+        deadline = time.monotonic() + timeout_s
+        while self.engine.stats()["active_streams"] and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        left = self.engine.stats()["active_streams"]
+        if left:
+            log.warning("drain deadline (%g s) passed with %d streams open: ending them", timeout_s, left)
+            await self.engine.aclose()  # each open stream ends with an error its client receives
+            await asyncio.sleep(0.05)  # let the stream tasks queue those errors
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(s.flushed() for s in self.subscribers)), 1.0)
+        return left == 0

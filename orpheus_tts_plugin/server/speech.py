@@ -1,0 +1,121 @@
+"""`POST /v1/audio/speech`, compatible with OpenAI's: JSON in, PCM or WAV streamed out with chunked transfer.
+
+The response starts once the first audio exists, so that a refusal (bad input 400, overloaded or
+draining 503) is a status code, not a broken stream. A client that closes the connection aborts the
+engine request (Starlette cancels the response task on `http.disconnect`).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..config import SAMPLING_FIELDS, SamplingOverrides
+from ..engine import AudioChunk
+from ..errors import EngineError, EngineFailedError, EngineOverloadedError
+from ..spec import SAMPLE_RATE
+from . import protocol
+from .service import Service
+
+FORMATS = {"pcm": "audio/pcm", "wav": "audio/wav"}
+DEFAULT_FORMAT = "wav"  # OpenAI's default is mp3, which this server does not encode; WAV describes itself
+OPENAI_FIELDS = ("model", "input", "voice", "response_format", "speed", "stream_format", "instructions")
+
+
+def wav_header(sample_rate: int = SAMPLE_RATE) -> bytes:
+    """A 16-bit mono WAV header for a stream of unknown length (sizes 0xFFFFFFFF, as streaming encoders write)."""
+    unknown = 0xFFFFFFFF
+    rate = sample_rate
+    return struct.pack(
+        "<4sI8sIHHIIHH4sI", b"RIFF", unknown, b"WAVEfmt ", 16, 1, 1, rate, 2 * rate, 2, 16, b"data", unknown
+    )
+
+
+def parse_body(body: Any) -> tuple[protocol.Start, str]:
+    """(request, response format) from the JSON body; TypeError/ValueError naming the field."""
+    if not isinstance(body, dict):
+        raise TypeError("the request body must be a JSON object")
+    unknown = set(body) - set(OPENAI_FIELDS) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(
+            f"unknown field(s) {', '.join(sorted(unknown))}; known: {', '.join(OPENAI_FIELDS + SAMPLING_FIELDS)}"
+        )
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise TypeError("model must be a non-empty string")
+    voice = body.get("voice")
+    if isinstance(voice, dict):  # OpenAI's custom-voice form {"id": ...}
+        voice = voice.get("id")
+    if voice is not None and not isinstance(voice, str):
+        raise TypeError(f"voice must be a string or {{'id': string}}, got {type(voice).__name__}")
+    fmt = body.get("response_format") or DEFAULT_FORMAT
+    if fmt not in FORMATS:
+        raise ValueError(f"response_format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
+    if body.get("stream_format", "audio") != "audio":
+        raise ValueError("stream_format must be 'audio' (server-sent events are not supported)")
+    if body.get("speed", 1.0) != 1.0:
+        raise ValueError("speed must be 1.0 (Orpheus speaks at its own pace)")
+    if body.get("instructions"):
+        raise ValueError("instructions are not supported; put emotion tags such as <laugh> in the input")
+    text = body.get("input")
+    if not isinstance(text, str):
+        raise TypeError(f"input must be a string, got {type(text).__name__}")
+    sampling = SamplingOverrides.of(**{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None})
+    return protocol.Start(text, voice or None, sampling), fmt
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """OpenAI's error shape: 400 for bad input, 503 (+ Retry-After) when overloaded or draining, 500 otherwise."""
+    if isinstance(exc, (ValueError, TypeError)):
+        status, kind = 400, "invalid_request_error"
+    elif isinstance(exc, EngineOverloadedError):
+        status, kind = 503, "overloaded"
+    elif isinstance(exc, EngineFailedError):
+        status, kind = 503, "server_error"
+    else:
+        status, kind = 500, "server_error"
+    headers = {"Retry-After": "1"} if status == 503 else None
+    body = {"error": {"message": str(exc), "type": kind, "code": protocol.error_name(exc)}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def speech(request: Request, service: Service) -> Response:
+    """The endpoint: validate, wait for the first audio, then stream the rest."""
+    received = time.perf_counter()
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        return error_response(ValueError(f"the request body is not JSON: {exc}"))
+    try:
+        start, fmt = parse_body(body)
+    except (ValueError, TypeError) as exc:
+        return error_response(exc)
+    chunks = service.speak(start, "http", received)
+    try:
+        first: AudioChunk | None = await chunks.__anext__()
+    except StopAsyncIteration:  # nothing to say (empty text): an empty, well-formed body
+        first = None
+    except (EngineError, ValueError, TypeError) as exc:
+        return error_response(exc)
+    head = wav_header() if fmt == "wav" else b""
+    return StreamingResponse(
+        _body(head, first, chunks), media_type=FORMATS[fmt], headers={"X-Sample-Rate": str(SAMPLE_RATE)}
+    )
+
+
+async def _body(head: bytes, first: AudioChunk | None, rest: AsyncGenerator[AudioChunk, None]) -> AsyncIterator[bytes]:
+    """The response body; closing it (client gone, response cancelled) closes the engine stream at once."""
+    try:
+        if head:
+            yield head
+        if first is None:
+            return
+        yield first.pcm
+        async for chunk in rest:
+            yield chunk.pcm
+    finally:
+        await rest.aclose()

@@ -1,0 +1,146 @@
+"""`orpheus-tts serve` as a process of its own: killed mid-stream and brought back, and the SIGTERM drain.
+
+Each test runs with generation faster than decoding (synthetic tokens flat out) and slower (paced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orpheus_tts_plugin import EngineError, EngineOverloadedError, OrpheusEngine, RemoteEngine
+from orpheus_tts_plugin.cli import build_parser
+from orpheus_tts_plugin.server.serve import engine_config
+
+PACES = {"fast": 0.0, "paced": 400.0}  # synthetic tokens/s a stream
+TEXT = "Hello there. How are you today?"
+HOLD_TOKENS = {"fast": 7000, "paced": 2000}  # a few seconds of one stream either way (decoding or generating)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_args(snac: Path, port: int, pace: str, *extra: str) -> list[str]:
+    """`serve` flags: synthetic tokens, tiny SNAC, utterances as long as their max_tokens."""
+    return [
+        "serve", "--backend", "synthetic", "--model", "", "--snac", str(snac), "--device", "cpu",
+        "--port", str(port), "--token-rate", str(PACES[pace]), "--frames-per-token", "64",
+        "--budget-base", "1000000", *extra,
+    ]  # fmt: skip
+
+
+def ready_status(port: int) -> int | None:
+    """GET /ready's status, or None if nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """`orpheus-tts serve ARGS` in a subprocess, once /ready answers 200; killed at the end if still running."""
+    port = int(args[args.index("--port") + 1])
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orpheus_tts_plugin.cli", *args], stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 120
+        while ready_status(port) != 200:
+            assert proc.poll() is None, f"serve exited with {proc.returncode}: {log.read_text()}"
+            assert time.monotonic() < deadline, "serve did not become ready"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("pace", list(PACES))
+async def test_a_killed_server_fails_its_calls_within_a_second_and_clients_reconnect_when_it_is_back(
+    test_model_dir: Path, tmp_path: Path, pace: str
+) -> None:
+    port = free_port()
+    args = serve_args(test_model_dir / "snac", port, pace)
+    remote = RemoteEngine(f"ws://127.0.0.1:{port}", connect_timeout_s=0.5, backoff_s=(0.05, 0.5))
+    try:
+        with serve_process(args, tmp_path / "serve.log") as proc:
+            await remote.start()
+            chunks = remote.synthesize(TEXT, seed=1, max_tokens=HOLD_TOKENS[pace])
+            await asyncio.wait_for(chunks.__anext__(), 30)
+            proc.kill()
+            killed = time.monotonic()
+            with pytest.raises(EngineError):
+                async for _ in chunks:
+                    pass
+            assert time.monotonic() - killed < 1.0
+            proc.wait(30)
+        assert remote.health()["status"] == "starting" and remote.load == 1.0
+        with pytest.raises(EngineError, match="cannot reach"):
+            await remote.synthesize(TEXT).__anext__()
+        with serve_process(args, tmp_path / "serve.log"):
+            await until(lambda: remote.ready)
+            chunks = [c async for c in remote.synthesize(TEXT, seed=2)]
+            assert chunks and chunks[-1].final
+        assert remote.stats()["connects"] == 2
+    finally:
+        await remote.aclose()
+
+
+@pytest.mark.parametrize("pace", list(PACES))
+async def test_sigterm_stops_admitting_lets_open_streams_finish_then_exits(
+    test_model_dir: Path, tmp_path: Path, pace: str
+) -> None:
+    port = free_port()
+    args = serve_args(test_model_dir / "snac", port, pace, "--drain-timeout", "120")
+    remote = RemoteEngine(f"ws://127.0.0.1:{port}")
+    try:
+        with serve_process(args, tmp_path / "serve.log") as proc:
+            chunks = remote.synthesize(TEXT, seed=3, max_tokens=HOLD_TOKENS[pace])
+            heard = [await asyncio.wait_for(chunks.__anext__(), 30)]
+            proc.send_signal(signal.SIGTERM)
+            await until(lambda: ready_status(port) == 503)  # a load balancer takes it out now
+            await until(lambda: not remote.ready)  # the server told its clients
+            with pytest.raises(EngineOverloadedError, match="draining"):
+                await remote.synthesize(TEXT).__anext__()
+            heard += [chunk async for chunk in chunks]  # the open stream finishes whole
+            assert heard[-1].final
+            assert await asyncio.to_thread(proc.wait, 60) == 0
+        config = engine_config(build_parser().parse_args(args))
+        reference = OrpheusEngine(replace(config, synthetic=replace(config.synthetic, tokens_per_second=0.0)))
+        try:
+            expected = b"".join([c.pcm async for c in reference.synthesize(TEXT, seed=3, max_tokens=HOLD_TOKENS[pace])])
+        finally:
+            await reference.aclose()
+        got, want = (
+            np.frombuffer(pcm, dtype="<i2").astype(np.int32) for pcm in (b"".join(c.pcm for c in heard), expected)
+        )
+        assert got.size == want.size and np.abs(got - want).max() <= 2
+    finally:
+        await remote.aclose()

@@ -135,7 +135,7 @@ class EngineConfig:
     first_chunk_frames: int = 4  # frames before the first decode: 4 → 3,435 exact samples after 28 tokens
     decoder: str = "snac"  # snac | null (silence on the same schedule, for benchmarks)
     decode_batch_frames: int | None = None  # frames (rows × chunk) per decoder call; None: max_streams
-    compile: bool = False  # torch.compile the decoder step (and capture CUDA graphs per bucket on CUDA)
+    compile: bool = False  # torch.compile the decoder step; on CUDA also capture decoder and hf steps as graphs
     noise_seed: int = 0
     sentence_max_chars: int = 300
     token_budget_per_char: float = 12.0

@@ -3,7 +3,8 @@
 The server runs in a subprocess on loopback only. Its streamed `<custom_token_N>` text is checked id for id
 against the same generation run locally (same seed, same generation config), cancellation is checked by the
 server's freed capacity, and retries by a refused port and by a late-starting TCP relay to the real server.
-One small test replays vLLM's documented stream format (token ids per chunk) from an in-process aiohttp server.
+Small tests replay vLLM's stream format (token ids per chunk) from an in-process aiohttp server; the remote backend
+against a real vLLM OpenAI server runs in tests_vllm/ (the vLLM venv).
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ async def test_stop_id_ends_the_stream_and_is_not_delivered(server, tokenizer) -
     backend = RemoteBackend(server, dialect="transformers", tokenizer=tokenizer)
     await backend.start()
     greedy = [i for ids in await collect(backend.generate(request(tokenizer, "g", 8, temperature=0.0))) for i in ids]
-    stop_id = next(i for i in greedy if i >= BASE)  # an id the model emits greedily, used as an extra stop id
+    # An id the model emits greedily, used as an extra stop id; not pad: transformers also pads with it.
+    stop_id = next(i for i in greedy if i >= BASE and i != SPEC.pad)
     stream = backend.generate(request(tokenizer, "s", 8, temperature=0.0, stop=(SPEC.end_of_speech, stop_id)))
     got = [i for ids in await collect(stream) for i in ids]
     assert got == greedy[: greedy.index(stop_id)]
@@ -270,19 +272,32 @@ async def test_refused_connection_is_retried_then_fails() -> None:
         "retries": 2,
         "aborted": 0,
         "errors": 1,
+        "audio_constraint": "none",
     }
     await backend.close()
 
 
-async def test_vllm_style_token_id_stream_from_a_local_replay_server() -> None:
-    """vLLM's documented SSE shape (token_ids per choice, then [DONE]); the body we send is recorded."""
+async def replay_server(obeys_xargs: bool):
+    """An in-process server speaking vLLM's completions format: SSE token ids when streaming, JSON otherwise.
+
+    Non-streaming requests (the backend's probe) get greedy-looking ids: inside the ranges `vllm_xargs` asks for if
+    `obeys_xargs` (as a vLLM started with the processor does), else the audio ids an unconstrained model might emit.
+    """
     from aiohttp import web
 
     bodies: list[dict] = []
     audio = [SPEC.audio_token(k, 9) for k in range(7)]
 
     async def completions(http_request: web.Request) -> web.StreamResponse:
-        bodies.append(await http_request.json())
+        body = await http_request.json()
+        bodies.append(body)
+        if not body.get("stream"):
+            xargs = body.get("vllm_xargs") or {}
+            first = xargs.get("orpheus_first_audio_token", SPEC.first_audio_token) if obeys_xargs else 128_266
+            ids = [first + k * 4096 + 9 for k in range(body["max_tokens"])]
+            return web.json_response(
+                {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": "length"}]}
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(http_request)
         chunks = [(audio[:3], None), ([], None), (audio[3:], None), ([SPEC.end_of_speech], "stop")]
@@ -298,24 +313,72 @@ async def test_vllm_style_token_id_stream_from_a_local_replay_server() -> None:
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}", bodies, audio
+
+
+async def test_vllm_token_id_stream_with_allowed_ids_where_the_server_lacks_the_processor() -> None:
+    """vLLM's stream format (token_ids per choice, then [DONE]); the probe finds no processor: allowed ids."""
+    runner, url, bodies, audio = await replay_server(obeys_xargs=False)
     try:
-        backend = RemoteBackend(f"http://127.0.0.1:{port}", model="orpheus", dialect="vllm", constrain_audio=True)
+        backend = RemoteBackend(url, model="orpheus", dialect="vllm", constrain_audio=True)
         await backend.start()
+        assert backend.audio_constraint == "allowed_ids" and backend.stats()["audio_constraint"] == "allowed_ids"
         req = GenerationRequest("v", (7, 8, 9), SamplingParams(seed=5), 100, (SPEC.end_of_speech,))
         stream = backend.generate(req)
         assert await collect(stream, 10) == [audio[:3], audio[3:]]
         assert stream.finish_reason == FinishReason.STOP
         await stream.aclose()
-        body = bodies[0]
+        probe, body = bodies
+        assert probe["stream"] is False and probe["vllm_xargs"]["orpheus_audio"] == 1
         assert body["prompt"] == [7, 8, 9] and body["return_token_ids"] is True and body["stream"] is True
         assert body["stop_token_ids"] == [SPEC.end_of_speech] and body["max_tokens"] == 100 and body["seed"] == 5
         assert body["allowed_token_ids"] == [*range(SPEC.first_audio_token, SPEC.audio_token_end), SPEC.end_of_speech]
+        assert "vllm_xargs" not in body
         await backend.close()
     finally:
         await runner.cleanup()
 
 
-def test_request_bodies_per_dialect() -> None:
+async def test_vllm_position_constraint_goes_as_vllm_xargs_where_the_server_has_the_processor() -> None:
+    runner, url, bodies, _ = await replay_server(obeys_xargs=True)
+    try:
+        backend = RemoteBackend(url, model="orpheus", dialect="vllm")  # constrain_audio None: wherever it is cheap
+        await backend.start()
+        assert backend.audio_constraint == "position"
+        stream = backend.generate(GenerationRequest("p", (7, 8), SamplingParams(), 10, (SPEC.end_of_speech,)))
+        await collect(stream, 10)
+        body = bodies[-1]
+        assert body["vllm_xargs"] == {
+            "orpheus_audio": 1,
+            "orpheus_first_audio_token": SPEC.first_audio_token,
+            "orpheus_end_of_speech": SPEC.end_of_speech,
+        }
+        assert "allowed_token_ids" not in body
+        unconstrained = GenerationRequest("u", (7,), SamplingParams(), 10, (SPEC.end_of_speech,), constrain_audio=False)
+        assert "vllm_xargs" not in json.loads(backend.request_body(unconstrained))
+        await backend.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_without_the_processor_and_without_asking_nothing_constrains_the_request() -> None:
+    runner, url, bodies, _ = await replay_server(obeys_xargs=False)
+    try:
+        backend = RemoteBackend(url, model="orpheus", dialect="vllm")
+        await backend.start()
+        assert backend.audio_constraint == "none"  # no 200 kB allowed-ids list per request unless asked
+        body = json.loads(backend.request_body(GenerationRequest("n", (7,), SamplingParams(), 10, (1,))))
+        assert "allowed_token_ids" not in body and "vllm_xargs" not in body
+        off = RemoteBackend(url, model="orpheus", dialect="vllm", constrain_audio=False)
+        await off.start()
+        assert off.audio_constraint == "none" and len(bodies) == 1  # constrain_audio=False: no probe
+        await backend.close()
+        await off.close()
+    finally:
+        await runner.cleanup()
+
+
+def test_each_dialect_sends_only_the_fields_its_server_knows() -> None:
     req = GenerationRequest(
         "d", (5, 6), SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1), 42, (SPEC.end_of_speech,)
     )
@@ -335,7 +398,11 @@ def test_request_bodies_per_dialect() -> None:
     plain = json.loads(RemoteBackend("http://h:1", model="m", dialect="openai").request_body(req))
     assert plain == {"model": "m", "prompt": [5, 6], "max_tokens": 42, "stream": True, "temperature": 0.6, "top_p": 0.8}
     vllm = json.loads(RemoteBackend("http://h:1", model="m").request_body(req))
-    assert "allowed_token_ids" not in vllm and vllm["return_token_ids"] is True  # constrain is opt-in remotely
+    assert "allowed_token_ids" not in vllm and vllm["return_token_ids"] is True  # not started: no processor known
+    told = json.loads(RemoteBackend("http://h:1", model="m", audio_processor=True).request_body(req))
+    assert told["vllm_xargs"]["orpheus_first_audio_token"] == SPEC.first_audio_token
+    trt = RemoteBackend("http://h:1", model="m", dialect="trtllm", audio_processor=True, constrain_audio=True)
+    assert trt.audio_constraint == "none" and "vllm_xargs" not in json.loads(trt.request_body(req))
     assert RemoteBackend("http://h:1/v1/").endpoint == "http://h:1/v1/completions"
     with pytest.raises(ValueError, match="tokenizer"):
         RemoteBackend("http://h:1", dialect="transformers")
@@ -343,7 +410,7 @@ def test_request_bodies_per_dialect() -> None:
         RemoteBackend("http://h:1", dialect="sglang-ish")
 
 
-def test_custom_token_text_parser() -> None:
+def test_custom_token_text_becomes_ids_even_when_split_across_chunks() -> None:
     p = CustomTokenText(BASE, SPEC.pad)
     assert p.feed("<custom_tok") == []  # a token split across chunks waits
     assert p.feed("en_5><custom_token_7>") == [BASE + 5, BASE + 7]

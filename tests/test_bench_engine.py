@@ -204,7 +204,8 @@ def test_gpu_script_smoke_mode(tmp_path: Path, test_model_dir: Path) -> None:
     assert [r["batch"] for r in rows] == [1, 2]
     assert all(r["eager_x_rt"] > 0 and r["compiled_x_rt"] > 0 and r["reference_eager_x_rt"] > 0 for r in rows)
     assert all(r["compiled_max_diff_vs_eager_int16"] <= 2 for r in rows)  # compiled decodes what eager does
-    backend = result["backend"]["rows"]
+    backend = [r for r in result["backend"]["rows"] if "concurrency" in r]
+    assert [r["variant"] for r in result["backend"]["rows"]][0] == "eager"
     assert [r["concurrency"] for r in backend] == [1, 2] and all(r["completed"] == r["concurrency"] for r in backend)
     assert all(r["tokens28_p50_ms"] > 0 for r in backend)
     assert [p["concurrency"] for p in result["engine"]["points"]] == [1.0, 2.0]

@@ -1,20 +1,26 @@
-"""HFBackend on the tiny test checkpoint: exact logits under continuous batching, sampling, stops, aborts."""
+"""HFBackend on the tiny test checkpoint: exact logits under continuous batching, per-position heads, the fast
+sampler against the reference one, static-shape buckets, stops, aborts, reused slots."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.hf import HFBackend
 from orpheus_tts_plugin.config import SamplingParams
-from orpheus_tts_plugin.spec import ENGLISH, TOKENS_PER_FRAME
+from orpheus_tts_plugin.spec import CODEBOOK_SIZE, ENGLISH, TOKENS_PER_FRAME
 from orpheus_tts_plugin.tools.testmodel import make_test_model
 
 SPEC = ENGLISH
 GREEDY = SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0)
+GREEDY_PENALISED = SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.3)
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +37,31 @@ def reference(orpheus_dir: str):
     return AutoModelForCausalLM.from_pretrained(orpheus_dir).eval()
 
 
+# The backend variants: the fast sampler (default), the reference sampler, the static-shape step that CUDA
+# graphs capture (run eagerly here: no GPU on the build machine).
+VARIANTS = {"fast": {}, "reference": {"sampler": "reference"}, "static": {"static_shapes": True}}
+
+
+@contextlib.asynccontextmanager
+async def started(orpheus_dir: str, variant: str = "fast", **kw: Any) -> AsyncIterator[HFBackend]:
+    backend = HFBackend(orpheus_dir, **{"max_batch_size": 4, "max_seq_len": 128, **VARIANTS[variant], **kw})
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+@pytest.fixture(params=list(VARIANTS))
+async def any_backend(orpheus_dir: str, request: pytest.FixtureRequest):
+    async with started(orpheus_dir, request.param) as backend:
+        yield backend
+
+
 @pytest.fixture
 async def backend(orpheus_dir: str):
-    backend = HFBackend(orpheus_dir, max_batch_size=4, max_seq_len=128)
-    await backend.start()
-    yield backend
-    await backend.close()
+    async with started(orpheus_dir) as backend:
+        yield backend
 
 
 def prompt(n_text: int, seed: int) -> tuple[int, ...]:
@@ -86,11 +111,27 @@ def test_forward_matches_hf_prefill_and_batched_decode(orpheus_dir: str, referen
             got, torch.stack([e[q] for e, q in zip(expected, pos, strict=True)]), atol=1e-4, rtol=1e-4
         )
         torch.testing.assert_close(backend.logits(hidden, audio_only=True), got[:, backend.audio_ids])
+        for phases in ([0, 3, 6], [2, 2, 2], [0, 0, 5]):  # one head product per position, or one for all
+            phase = torch.tensor(phases)
+            want = got.gather(1, backend.col_ids[phase]) + backend.col_bias[phase]
+            torch.testing.assert_close(backend.phase_logits(hidden, phase, phases), want)
+            torch.testing.assert_close(backend.phase_logits(hidden, phase), want)
         pos = [q + 1 for q in pos]
 
 
+def test_position_columns_are_the_spec_allowed_ids(orpheus_dir: str) -> None:
+    backend = HFBackend(orpheus_dir, max_batch_size=2, max_seq_len=16)
+    backend._load()
+    for k in range(TOKENS_PER_FRAME):
+        allowed = backend.col_bias[k] == 0
+        assert backend.col_ids[k][allowed].tolist() == SPEC.allowed_ids(k).tolist()
+        assert allowed[:CODEBOOK_SIZE].all() and bool(allowed[CODEBOOK_SIZE]) == (k == 0)
+
+
 @pytest.mark.parametrize("penalty", [1.0, 1.3])
-async def test_greedy_batched_equals_hf_generate(backend: HFBackend, reference, penalty: float) -> None:
+async def test_greedy_batched_equals_hf_generate(any_backend: HFBackend, reference, penalty: float) -> None:
+    """Unconstrained rows (the whole vocab): token for token what transformers' greedy generate gives."""
+    backend = any_backend
     prompts = [prompt(n, seed=100 + n) for n in (2, 9, 21)]
     sampling = SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=penalty)
     streams = [backend.generate(request(p, sampling, max_new=16)) for p in prompts]
@@ -115,7 +156,56 @@ async def test_greedy_batched_equals_hf_generate(backend: HFBackend, reference, 
     assert len({tuple(ids) for ids, _ in results}) == len(prompts)  # rows not mixed up
 
 
-async def test_constrained_ids_follow_the_frame_layout(backend: HFBackend) -> None:
+async def greedy_constrained(backend: HFBackend, prompts: list[tuple[int, ...]], max_new: int = 30) -> list[list[int]]:
+    """Greedy, penalised, audio-constrained tokens of the prompts, all in one batch."""
+    streams = [backend.generate(request(p, GREEDY_PENALISED, max_new=max_new, constrain=True)) for p in prompts]
+    return [ids for ids, _ in await asyncio.gather(*(collect(s) for s in streams))]
+
+
+def audio_prompt(n_text: int, seed: int) -> tuple[int, ...]:
+    """A prompt that also holds audio ids (as a voice-cloning prompt does): they count as seen for the penalty."""
+    codes = [SPEC.audio_token(k % TOKENS_PER_FRAME, (seed * 131 + 17 * k) % CODEBOOK_SIZE) for k in range(21)]
+    return (*prompt(n_text, seed)[:-1], *codes, SPEC.start_of_speech)
+
+
+async def test_constrained_greedy_is_the_reference_token_for_token(orpheus_dir: str) -> None:
+    """Per-position head, per-slot penalty, static buckets: the same greedy tokens as the reference sampler."""
+    prompts = [prompt(3, 1), audio_prompt(9, 2), prompt(17, 3)]
+    results = {}
+    for variant in VARIANTS:
+        async with started(orpheus_dir, variant) as backend:
+            results[variant] = await greedy_constrained(backend, prompts)
+    assert results["fast"] == results["reference"] == results["static"]
+    assert all(len(set(ids)) > 10 for ids in results["fast"])  # penalised: not a few ids repeated
+
+
+async def test_bucket_padding_never_changes_a_rows_tokens(orpheus_dir: str) -> None:
+    """A row alone (bucket 1), among others in a padded bucket (3 rows in 4), in a wider bucket, across the
+    attention length buckets 64 and 128: the same tokens as the unpadded eager step."""
+    prompts = [prompt(5, 7), prompt(11, 8), prompt(2, 9)]
+    async with started(orpheus_dir, "fast", max_batch_size=8) as backend:
+        eager = await greedy_constrained(backend, prompts, max_new=60)
+    async with started(orpheus_dir, "static", max_batch_size=8) as backend:
+        alone = [(await greedy_constrained(backend, [p], max_new=60))[0] for p in prompts]
+        padded = await greedy_constrained(backend, prompts, max_new=60)
+        assert backend.buckets == (1, 2, 4, 8) and backend._bucket(3) == 4 and backend.length_buckets == (64, 128)
+        # Hold slots 0-4 so that the rows land in slots 5-7: bucket 8, five padding rows below them.
+        holders = [backend.generate(request(prompt(4, 20 + i), GREEDY, max_new=1000, constrain=True)) for i in range(5)]
+        for h in holders:
+            await h.__anext__()
+        streams = [backend.generate(request(p, GREEDY_PENALISED, max_new=60, constrain=True)) for p in prompts]
+        firsts = [await s.__anext__() for s in streams]
+        assert sorted(row.slot for row in backend._live.values()) == list(range(8))
+        rest = await asyncio.gather(*(collect(s) for s in streams))
+        high = [first + ids for first, (ids, _) in zip(firsts, rest, strict=True)]
+        for h in holders:
+            await h.aclose()
+    assert alone == padded == eager == high
+    assert all(len(ids) == 60 for ids in eager)  # positions 17..77: both length buckets
+
+
+async def test_constrained_ids_follow_the_frame_layout(any_backend: HFBackend) -> None:
+    backend = any_backend
     sampling = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1, seed=3)
     streams = [
         backend.generate(request(prompt(n, seed=n), sampling, max_new=5 * TOKENS_PER_FRAME, constrain=True))
@@ -131,9 +221,10 @@ async def test_constrained_ids_follow_the_frame_layout(backend: HFBackend) -> No
             assert len(ids) == 5 * TOKENS_PER_FRAME
 
 
-async def test_end_of_speech_only_at_a_frame_boundary(backend: HFBackend) -> None:
+async def test_end_of_speech_only_at_a_frame_boundary(any_backend: HFBackend) -> None:
     """Make end of speech the model's favourite from the 10th step on: constrained, it waits for k == 0."""
-    logits, calls = backend.logits, [0]
+    backend = any_backend
+    logits, phase_logits, calls = backend.logits, backend.phase_logits, [0]
     eos_col = int((backend.audio_ids == SPEC.end_of_speech).nonzero())
 
     def favour_eos(hidden: torch.Tensor, audio_only: bool = False) -> torch.Tensor:
@@ -143,7 +234,15 @@ async def test_end_of_speech_only_at_a_frame_boundary(backend: HFBackend) -> Non
             out[:, eos_col if audio_only else SPEC.end_of_speech] += 100.0
         return out
 
+    def favour_eos_column(hidden: torch.Tensor, phase: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        out = phase_logits(hidden, phase, *args, **kw)
+        calls[0] += 1
+        if calls[0] > 10:
+            out[:, CODEBOOK_SIZE] += 100.0  # the -inf mask where the position does not allow it comes after
+        return out
+
     backend.logits = favour_eos
+    backend.phase_logits = favour_eos_column
     ids, finish = await collect(backend.generate(request(prompt(5, 1), GREEDY, max_new=100, constrain=True)))
     assert (len(ids), finish) == (14, FinishReason.STOP)
     calls[0] = 0
@@ -151,7 +250,8 @@ async def test_end_of_speech_only_at_a_frame_boundary(backend: HFBackend) -> Non
     assert (len(ids), finish) == (10, FinishReason.STOP)
 
 
-async def test_seeded_request_reproduces(backend: HFBackend) -> None:
+async def test_seeded_request_reproduces(any_backend: HFBackend) -> None:
+    backend = any_backend
     sampling = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1, seed=1234)
     req = request(prompt(8, 5), sampling, max_new=21, constrain=True)
     first, _ = await collect(backend.generate(req))
@@ -199,3 +299,76 @@ async def test_sequence_limits(backend: HFBackend) -> None:
     assert (len(ids), finish) == (128 - 124, FinishReason.LENGTH)
     assert backend.stats()["live_requests"] == 0
     assert sorted(backend.free_slots) == list(range(backend.max_batch_size))
+
+
+@pytest.mark.parametrize("variant", ["fast", "static"])
+async def test_a_slot_reused_after_cancellation_starts_clean(orpheus_dir: str, variant: str) -> None:
+    """One slot: a request cancelled mid-stream leaves no penalty state for the next one in its slot."""
+    same = prompt(6, 30)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.5, seed=5)
+    async with started(orpheus_dir, variant, max_batch_size=1) as backend:
+        first = await greedy_constrained(backend, [same], max_new=40)
+        seeded, _ = await collect(backend.generate(request(same, sampled, max_new=40, constrain=True)))
+        doomed = backend.generate(request(same, GREEDY_PENALISED, max_new=1000, constrain=True))
+        for _ in range(25):  # the same ids the next request will want: any leak would penalise them
+            await doomed.__anext__()
+        await doomed.aclose()
+        assert await greedy_constrained(backend, [same], max_new=40) == first
+        again, _ = await collect(backend.generate(request(same, sampled, max_new=40, constrain=True)))
+        assert again == seeded
+        assert backend.stats()["aborted"] == 1 and backend.free_slots == [0]
+
+
+def test_admission_resets_the_slots_sampling_state(orpheus_dir: str) -> None:
+    """The tables a reused slot starts from hold only the new prompt's ids and the new request's parameters."""
+    backend = HFBackend(orpheus_dir, max_batch_size=1, max_seq_len=128)
+    backend._load()
+    cloning = audio_prompt(4, 3)
+    row = backend._admit(request(cloning, SamplingParams(temperature=0.9, top_p=0.7, seed=8), constrain=True))
+    marked = {(k, c) for k, c in backend.audio_seen[0].nonzero().tolist()}
+    assert marked == {divmod(i - SPEC.first_audio_token, CODEBOOK_SIZE) for i in cloning if i >= SPEC.first_audio_token}
+    for _ in range(9):
+        backend._step([row])
+    assert int(backend.audio_seen[0].sum()) > len(marked)
+    backend._release(row)
+    text = prompt(6, 4)
+    backend._admit(request(text, SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.2), constrain=True))
+    assert not backend.audio_seen[0].any()
+    assert backend.seen[0].nonzero()[:, 0].tolist() == sorted(set(text))
+    torch.testing.assert_close(backend.slot_sampling[0], torch.tensor([0.0, 1.0, 1.2]))
+
+
+class RecordOps(TorchDispatchMode):
+    """Names of the aten ops that run inside the context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+HOST_READS = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "masked_select", "equal")
+
+
+def test_the_captured_step_never_reads_device_data_on_the_host(orpheus_dir: str) -> None:
+    """What a CUDA graph captures (`_static_step`) and the eager CUDA step read nothing back but the ids."""
+    backend = HFBackend(orpheus_dir, max_batch_size=4, max_seq_len=64, static_shapes=True)
+    backend._load()
+    rows = [
+        backend._admit(request(prompt(n, n), SamplingParams(seed=n, top_p=0.9), max_new=50, constrain=True))
+        for n in (3, 5, 8)
+    ]
+    for _ in range(3):
+        backend._step(rows)
+    length, meta = backend._static_meta(rows)
+    with RecordOps() as ops:
+        backend._static_step(meta, length)
+    assert ops.names and not [n for n in ops.names if n.split(".")[0] in HOST_READS]
+    assert "lift_fresh" not in {n.split(".")[0] for n in ops.names}  # no host value copied in (a capture fails)
+    backend.static_shapes = False  # the eager step as on CUDA: branch free, one product for all positions
+    with RecordOps() as ops:
+        backend._step(rows)
+    assert not [n for n in ops.names if n.split(".")[0] in HOST_READS]

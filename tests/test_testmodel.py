@@ -61,7 +61,7 @@ def test_tokenizer_encodes_any_text(tokenizer) -> None:
     assert tokenizer.decode(ids, skip_special_tokens=True) == text
 
 
-def test_orpheus_config_and_files(model_dir: Path) -> None:
+def test_the_orpheus_config_and_files_are_in_the_real_formats(model_dir: Path) -> None:
     from transformers import AutoConfig
 
     orpheus = model_dir / "orpheus"
@@ -76,6 +76,8 @@ def test_orpheus_config_and_files(model_dir: Path) -> None:
     assert raw["rope_theta"] == 500000.0
     cfg = AutoConfig.from_pretrained(orpheus)
     assert cfg.model_type == "llama" and cfg.architectures == ["LlamaForCausalLM"]
+    # head width 32: the smallest vLLM's CPU attention runs; 4 query heads of 32 on a hidden size of 64
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 32)
     assert cfg.vocab_size == ENGLISH.vocab_size
     assert cfg.tie_word_embeddings
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (128000, 128258, 128263)
@@ -86,7 +88,7 @@ def test_orpheus_config_and_files(model_dir: Path) -> None:
     assert size < 100e6
 
 
-def test_orpheus_model_loads(model_dir: Path) -> None:
+def test_the_orpheus_model_loads_with_tied_embeddings(model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir / "orpheus")
@@ -114,7 +116,7 @@ def test_full_snac_is_the_real_architecture(model_dir: Path) -> None:
     assert audio.std(dim=-1).item() > 0.05  # varies
 
 
-def test_deterministic_given_seed(model_dir: Path, tmp_path: Path) -> None:
+def test_checkpoints_are_deterministic_given_the_seed(model_dir: Path, tmp_path: Path) -> None:
     make_test_model(tmp_path, snac="tiny", seed=0)
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
         assert (tmp_path / "orpheus" / name).read_bytes() == (model_dir / "orpheus" / name).read_bytes(), name
@@ -138,6 +140,30 @@ def test_tiny_snac_has_the_same_layout(model_dir: Path, tmp_path: Path) -> None:
     assert 0.05 <= audio.pow(2).mean().sqrt().item() <= 0.5
 
 
-def test_bad_snac_kind(tmp_path: Path) -> None:
+def test_an_unknown_snac_kind_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="snac"):
         make_test_model(tmp_path, snac="medium")
+
+
+def test_head_dim_can_be_chosen_and_the_model_still_runs(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    make_test_model(tmp_path, snac="tiny", head_dim=16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "orpheus")
+    assert model.config.head_dim == 16 and model.model.layers[0].self_attn.q_proj.out_features == 4 * 16
+    with torch.no_grad():
+        logits = model(torch.tensor([[128259, 128000, 83, 128009, 128260, 128261, 128257]])).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_make_test_model_command_takes_a_head_dim() -> None:
+    from orpheus_tts_plugin.cli import build_parser
+
+    assert build_parser().parse_args(["make-test-model", "d", "--head-dim", "16"]).head_dim == 16
+    assert build_parser().parse_args(["make-test-model", "d"]).head_dim == 32
+
+
+@pytest.mark.parametrize("head_dim", [0, 15, 16.0])
+def test_odd_or_non_integer_head_dim_is_refused(tmp_path: Path, head_dim) -> None:
+    with pytest.raises(ValueError, match="head_dim"):
+        make_test_model(tmp_path, snac="tiny", head_dim=head_dim)

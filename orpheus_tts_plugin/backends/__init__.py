@@ -32,6 +32,7 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
     if name == "hf":
         from .hf import HFBackend
 
+        options.setdefault("cuda_graphs", config.compile and device.startswith("cuda"))  # captured decode steps
         return HFBackend(
             config.model,
             device=device,

@@ -5,7 +5,10 @@ serve`) behind a load balancer. Prompts go out as token ids where the server acc
 where the server streams them (trtllm-serve with `detokenize: false`, vLLM with `return_token_ids`), otherwise
 `<custom_token_N>` is parsed from the streamed text (id = 128256 + N). One `aiohttp.ClientSession` per backend
 (the engine is process-wide, so one per process); closing a stream closes its HTTP response, which makes the
-server abort the request. What has and has not run of it, and against which servers: docs/backends.md.
+server abort the request. With vLLM, the audio constraint per frame position travels as `vllm_xargs` when the server
+runs this package's logits processor (`--logits-processors orpheus_tts_plugin.backends.vllm_logits:...`); otherwise
+`allowed_token_ids` (every audio id, any position) if asked, and the engine counts ids at a wrong position.
+What has and has not run of it, and against which servers: docs/backends.md.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the remote backend needs aiohttp: pip install 'orpheus-tts-plugin[remote]'") from exc
 
-from ..spec import ENGLISH, ModelSpec
+from ..spec import CODEBOOK_SIZE, ENGLISH, ModelSpec
 from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop
 
 # How each server family wants a completion request: prompt as ids or text, and which non-OpenAI fields it takes
@@ -30,6 +33,9 @@ _RETRY_STATUS = frozenset({502, 503, 504})  # a load balancer with no healthy up
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 _CUSTOM = re.compile(r"<custom_token_(\d+)>")
 _CUSTOM_PREFIX = "<custom_token_"
+# `vllm_xargs` keys of OrpheusAudioLogitsProcessor (backends/vllm_logits.py, not imported here: it needs vLLM).
+_XARG_ON, _XARG_FIRST, _XARG_EOS = "orpheus_audio", "orpheus_first_audio_token", "orpheus_end_of_speech"
+_PROBE_TOKENS = 7  # one frame: chance that an unconstrained model obeys the probe's ranges ~ (4096 / vocab) ** 7
 
 
 class CustomTokenText:
@@ -94,7 +100,8 @@ class RemoteBackend:
         spec: ModelSpec = ENGLISH,
         tokenizer: Any = None,
         api_key: str | None = None,
-        constrain_audio: bool = False,
+        constrain_audio: bool | None = None,
+        audio_processor: bool | None = None,
         connect_retries: int = 3,
         retry_backoff_s: float = 0.2,
         connect_timeout_s: float = 5.0,
@@ -116,6 +123,7 @@ class RemoteBackend:
         self.tokenizer = tokenizer
         self.api_key = api_key
         self.constrain_audio = constrain_audio
+        self.audio_processor = audio_processor if dialect == "vllm" else False
         self.connect_retries = connect_retries
         self.retry_backoff_s = retry_backoff_s
         self.connect_timeout_s = connect_timeout_s
@@ -145,6 +153,42 @@ class RemoteBackend:
             self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.tokenizer)
         if self.model is None:
             self.model = await self._first_model()
+        if self.audio_processor is None and self.constrain_audio is not False:
+            self.audio_processor = await self._probe_audio_processor()
+
+    @property
+    def audio_constraint(self) -> str:
+        """How constrained requests are restricted: "position" (vllm_xargs), "allowed_ids" (any audio id) or "none"."""
+        if self.dialect != "vllm" or self.constrain_audio is False:
+            return "none"
+        if self.audio_processor:
+            return "position"
+        return "allowed_ids" if self.constrain_audio else "none"
+
+    async def _probe_audio_processor(self) -> bool:
+        """True if the server applies OrpheusAudioLogitsProcessor: a greedy probe with shifted ids obeys them."""
+        body = {
+            "model": self.model,
+            "prompt": [self.spec.bos],
+            "max_tokens": _PROBE_TOKENS,
+            "stream": False,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            # Frame ids moved to the start of the vocabulary: only the processor makes a model emit exactly these.
+            "vllm_xargs": {_XARG_ON: 1, _XARG_FIRST: 0, _XARG_EOS: 0},
+        }
+        try:
+            async with self._session.post(self.endpoint, json=body) as resp:
+                if resp.status != 200:
+                    return False
+                ids = (await resp.json())["choices"][0]["token_ids"]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            return False
+        return len(ids) == _PROBE_TOKENS and all(
+            k * CODEBOOK_SIZE <= t < (k + 1) * CODEBOOK_SIZE for k, t in enumerate(ids)
+        )
 
     async def _first_model(self) -> str:
         """The first model id the server lists (GET /v1/models), retried like requests."""
@@ -197,9 +241,16 @@ class RemoteBackend:
             body["return_token_ids"] = True
         elif self.dialect == "trtllm":
             body["detokenize"] = False
+        constraint = self.audio_constraint if req.constrain_audio else "none"
+        if constraint == "position":
+            body["vllm_xargs"] = {
+                _XARG_ON: 1,
+                _XARG_FIRST: self.spec.first_audio_token,
+                _XARG_EOS: self.spec.end_of_speech,
+            }
         body.update(self.extra_body)
         text = json.dumps(body)
-        if self.dialect == "vllm" and self.constrain_audio and req.constrain_audio:
+        if constraint == "allowed_ids":
             text = f'{text[:-1]}, "allowed_token_ids": {self._allowed_json}}}'
         return text
 
@@ -209,7 +260,7 @@ class RemoteBackend:
         return RemoteStream(self._session, self, req, self._requests)
 
     def stats(self) -> dict[str, Any]:
-        return self._requests.stats(self.name, url=self.url)
+        return self._requests.stats(self.name, url=self.url, audio_constraint=self.audio_constraint)
 
     async def close(self) -> None:
         session, self._session = self._session, None

@@ -1,28 +1,45 @@
 """TensorRT-LLM backend (LLM API, PyTorch backend): FP8 weights and FP8 KV cache on Hopper, the production path.
 
-What has and has not run of it, and against what: docs/backends.md.
+TensorRT-LLM never ran in this project (no GPU, no NVIDIA index): everything here is written against the upstream
+1.2 sources and checked only against a stand-in (tests/test_backend_trtllm.py). What that means: docs/backends.md.
+
+Sampler: the PyTorch backend's default (`sampler_type="auto"` → TorchSampler in 1.2) applies neither
+`repetition_penalty` nor a per-request seed, and adds every request's embedding-bias row to a pinned host tensor
+copied to the GPU each step. This backend asks for TRTLLMSampler (the C++ decoder): penalties and per-request seeds
+in its kernels, the bias copied once per request into its per-slot device buffer. Releases without TRTLLMSampler
+are refused (see `import_trtllm`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import re
 from collections.abc import Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..mailbox import Mailbox
 from ..spec import ENGLISH, ModelSpec
 from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop
+from .vllm import checkpoint_json, checkpoint_quantization
 
 log = logging.getLogger(__name__)
 
+MIN_TRTLLM = (1, 2)
 INSTALL_HINT = (
-    "the trtllm backend needs TensorRT-LLM >= 1.2 (PyTorch backend), which needs CUDA at import and "
-    "Python 3.10 or 3.12. Its wheel is served from NVIDIA's index, not PyPI: "
+    "the trtllm backend needs TensorRT-LLM >= 1.2 (PyTorch backend) with its TRTLLMSampler, which needs CUDA at "
+    "import and Python 3.10 or 3.12. Its wheel is served from NVIDIA's index, not PyPI: "
     "`pip install 'tensorrt-llm>=1.2' --extra-index-url https://pypi.nvidia.com`; or run inside the release "
     "container nvcr.io/nvidia/tensorrt-llm/release:1.2.1 (see docker/ in this repository)."
+)
+# The sampler that applies repetition_penalty and per-request seeds (tensorrt_llm/llmapi/llm_args.py SamplerType).
+SAMPLER = "TRTLLMSampler"
+NO_SAMPLER = (
+    "TensorRT-LLM {version} has no TRTLLMSampler (its docs: deprecated in 1.3.0rc24, removed by 1.3.0rc26), and "
+    "its TorchSampler does not yet apply per-request seeds when requests share a batch "
+    "(_torch/pyexecutor/sampler/seed_manager.py): seeded Orpheus streams would not repeat. Use TensorRT-LLM 1.2 "
+    "or a 1.3 release candidate that still has TRTLLMSampler, or pass llm_kwargs={{'sampler_type': ...}}."
 )
 # Added to the logits of every id that is not audio or end of speech: exp(-1e4) is exactly 0 in fp32,
 # and unlike -inf it cannot turn into NaN inside penalty or top-p kernels, and it fits fp16.
@@ -31,13 +48,25 @@ FORBIDDEN_BIAS = -1.0e4
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled": FinishReason.ABORTED}
 
 
-def import_trtllm() -> SimpleNamespace:
-    """The TensorRT-LLM classes this backend uses; ImportError saying how to get them if missing."""
+def _version(text: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as "1.2.1" or "1.3.0rc24"."""
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def import_trtllm(need_sampler: bool = True) -> SimpleNamespace:
+    """The TensorRT-LLM classes this backend uses; ImportError in one line if missing, too old or samplerless."""
     try:
+        import tensorrt_llm
         from tensorrt_llm import LLM, SamplingParams
         from tensorrt_llm.llmapi import KvCacheConfig
     except (ImportError, OSError, RuntimeError) as exc:  # OSError/RuntimeError: installed, but no CUDA
         raise ImportError(f"{INSTALL_HINT} (import failed: {exc})") from exc
+    version = getattr(tensorrt_llm, "__version__", "0")
+    if _version(version) < MIN_TRTLLM:
+        raise ImportError(f"{INSTALL_HINT}; found TensorRT-LLM {version}")
+    if need_sampler and not _has_trtllm_sampler():
+        raise ImportError(NO_SAMPLER.format(version=version))
     try:
         from tensorrt_llm.llmapi import CudaGraphConfig
     except ImportError:  # renamed after 1.2
@@ -45,6 +74,15 @@ def import_trtllm() -> SimpleNamespace:
     return SimpleNamespace(
         LLM=LLM, SamplingParams=SamplingParams, KvCacheConfig=KvCacheConfig, CudaGraphConfig=CudaGraphConfig
     )
+
+
+def _has_trtllm_sampler() -> bool:
+    """True if `LLM(sampler_type="TRTLLMSampler")` is accepted by the installed TensorRT-LLM."""
+    try:
+        from tensorrt_llm.llmapi.llm_args import SamplerType
+    except ImportError:
+        return False
+    return SAMPLER in getattr(SamplerType, "__members__", {})
 
 
 def audio_bias(spec: ModelSpec, vocab_size: int) -> Any:
@@ -59,11 +97,10 @@ def audio_bias(spec: ModelSpec, vocab_size: int) -> Any:
 
 
 def read_vocab_size(model: str) -> int | None:
-    """vocab_size from a local checkpoint's config.json (None for hub ids or when absent)."""
-    path = Path(model) / "config.json"
+    """vocab_size from a checkpoint's config.json, local or in the hub cache (None when it cannot be read)."""
     try:
-        return int(json.loads(path.read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int((checkpoint_json(model, "config.json") or {})["vocab_size"])
+    except (LookupError, OSError, ValueError, TypeError):
         return None
 
 
@@ -81,7 +118,7 @@ class TrtllmBackend:
         max_num_tokens: int = 16384,
         max_seq_len: int = 8192,
         kv_cache_fraction: float = 0.9,
-        kv_cache_dtype: str = "fp8",
+        kv_cache_dtype: str | None = None,
         cuda_graph_batch_sizes: Sequence[int] | None = None,
         enable_chunked_prefill: bool = True,
         constrain_audio: bool = True,
@@ -89,7 +126,8 @@ class TrtllmBackend:
         skip_tokenizer_init: bool = True,
         llm_kwargs: dict[str, Any] | None = None,
     ):
-        self._t = import_trtllm()
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self._t = import_trtllm(need_sampler="sampler_type" not in self.llm_kwargs)
         if max_batch_size < 1 or max_num_tokens < 1 or max_seq_len < 1:
             raise ValueError("max_batch_size, max_num_tokens and max_seq_len must be >= 1")
         if not 0.0 < kv_cache_fraction <= 1.0:
@@ -106,14 +144,24 @@ class TrtllmBackend:
         self.constrain_audio = constrain_audio
         self.vocab_size = vocab_size
         self.skip_tokenizer_init = skip_tokenizer_init
-        self.llm_kwargs = dict(llm_kwargs or {})
         self._llm: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bias: Any = None
         self._requests = RequestCounts()
 
+    def resolved_kv_cache_dtype(self) -> str:
+        """`kv_cache_dtype`, else "auto" for a checkpoint with a calibrated KV cache (or unknown), else "fp8"."""
+        if self.kv_cache_dtype is not None:
+            return self.kv_cache_dtype
+        quant = checkpoint_quantization(self.model)
+        if quant is None:
+            log.info("trtllm: cannot read %s's config; KV cache dtype 'auto' (the checkpoint's own)", self.model)
+            return "auto"
+        # "auto" takes the checkpoint's kv_cache_quant_algo with its calibrated scales; "fp8" would override them.
+        return "auto" if quant.kv_cache else "fp8"
+
     def llm_args(self) -> dict[str, Any]:
-        """Keyword arguments of `tensorrt_llm.LLM` (PyTorch backend, FP8 KV cache, CUDA graphs)."""
+        """Keyword arguments of `tensorrt_llm.LLM` (PyTorch backend, TRTLLMSampler, KV cache dtype, CUDA graphs)."""
         t = self._t
         if self.cuda_graph_batch_sizes:
             graphs = t.CudaGraphConfig(batch_sizes=self.cuda_graph_batch_sizes, enable_padding=True)
@@ -122,7 +170,7 @@ class TrtllmBackend:
         args: dict[str, Any] = {
             "model": self.model,
             "kv_cache_config": t.KvCacheConfig(
-                dtype=self.kv_cache_dtype, free_gpu_memory_fraction=self.kv_cache_fraction
+                dtype=self.resolved_kv_cache_dtype(), free_gpu_memory_fraction=self.kv_cache_fraction
             ),
             "max_batch_size": self.max_batch_size,
             "max_num_tokens": self.max_num_tokens,
@@ -130,19 +178,21 @@ class TrtllmBackend:
             "cuda_graph_config": graphs,
             "enable_chunked_prefill": self.enable_chunked_prefill,
             "skip_tokenizer_init": self.skip_tokenizer_init,
+            "sampler_type": SAMPLER,
         }
         args.update(self.llm_kwargs)
         return args
 
     def sampling_params(self, req: GenerationRequest) -> Any:
-        """The `tensorrt_llm.SamplingParams` of one request: ids out only, stop at end of speech."""
+        """The `tensorrt_llm.SamplingParams` of one request: ids out only, end at end of speech."""
         s = req.sampling
-        stop = list(self.spec.stop_ids(req.stop_ids))
+        # end_id already ends the request in the decoder; listing it as a stop id again only adds stop checks.
+        stop = [i for i in self.spec.stop_ids(req.stop_ids) if i != self.spec.end_of_speech]
         return self._t.SamplingParams(
             max_tokens=req.max_new_tokens,
             end_id=self.spec.end_of_speech,
             pad_id=self.spec.pad,
-            stop_token_ids=stop,
+            stop_token_ids=stop or None,
             temperature=s.temperature,
             top_p=s.top_p,
             repetition_penalty=s.repetition_penalty,
@@ -181,7 +231,11 @@ class TrtllmBackend:
 
 
 class TrtllmStream:
-    """New ids of one TensorRT-LLM request (`token_ids_diff` per step); `aclose()` calls `result.abort()`."""
+    """New ids of one TensorRT-LLM request (`token_ids_diff` per step), pumped by a task into a mailbox.
+
+    `aclose()` ends the mailbox itself and calls `result.abort()`: TensorRT-LLM sends no final output for a request
+    aborted while it still waits in the executor's queue, so a consumer waiting for one would wait forever.
+    """
 
     def __init__(self, req: GenerationRequest, result: Any, stop_ids: tuple[int, ...], counts: RequestCounts):
         self.req = req
@@ -189,46 +243,55 @@ class TrtllmStream:
         self.finish_reason: str | None = None
         self._counts = counts
         self._stop = frozenset(stop_ids)
+        self._box: Mailbox[list[int]] = Mailbox()
+        self._pump = asyncio.get_running_loop().create_task(self._run())
 
     def __aiter__(self) -> TrtllmStream:
         return self
 
     async def __anext__(self) -> list[int]:
-        while self.finish_reason is None:
-            try:
-                out = await self.result.__anext__()
-            except StopAsyncIteration:
-                self._finish(FinishReason.ERROR)  # ended without a finished output
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # reported as a backend failure
-                if self.finish_reason is not None:  # closed while waiting
-                    break
-                self._finish(FinishReason.ERROR)
-                raise BackendError(f"trtllm request {self.req.request_id} failed: {exc}") from exc
-            if self.finish_reason is not None:  # closed while waiting
-                break
-            completion = out.outputs[0]
-            ids = list(completion.token_ids_diff)
-            if out.finished:
-                if ids and ids[-1] in self._stop:
-                    ids.pop()
-                self._finish(_FINISH.get(completion.finish_reason, FinishReason.ERROR))
-            if ids:
-                self._counts.add_tokens(len(ids))
-                return ids
-        raise StopAsyncIteration
+        return await self._box.get()
 
     async def aclose(self) -> None:
-        """Abort the request in TensorRT-LLM (dropping the iterator alone does not)."""
-        if self.finish_reason is None:
-            self._finish(FinishReason.ABORTED)
-            try:
-                self.result.abort()
-            except Exception:  # the request may have finished meanwhile
-                log.debug("trtllm abort of %s failed", self.req.request_id, exc_info=True)
+        """Abort the request in TensorRT-LLM (dropping the iterator alone does not) and end the stream now."""
+        if self.finish_reason is not None:
+            return
+        self._finish(FinishReason.ABORTED)
+        self._box.clear()
+        self._pump.cancel()
+        try:
+            self.result.abort()
+        except Exception:  # the request may have finished meanwhile
+            log.debug("trtllm abort of %s failed", self.req.request_id, exc_info=True)
 
-    def _finish(self, reason: str) -> None:
+    async def _run(self) -> None:
+        """Move each step's new ids into the mailbox; the final output's trailing end id is dropped."""
+        try:
+            async for out in self.result:
+                completion = out.outputs[0]
+                ids = list(completion.token_ids_diff)
+                if out.finished:
+                    if ids and ids[-1] in self._stop:
+                        ids.pop()
+                    self._push(ids, _FINISH.get(completion.finish_reason, FinishReason.ERROR))
+                    return
+                self._push(ids, None)
+            self._push([], FinishReason.ERROR)  # ended without a finished output
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the consumer
+            self._push([], FinishReason.ERROR, BackendError(f"trtllm request {self.req.request_id} failed: {exc}"))
+
+    def _push(self, ids: list[int], finish: str | None, error: BaseException | None = None) -> None:
+        if self.finish_reason is not None:  # closed meanwhile
+            return
+        if ids:
+            self._box.put(ids)
+            self._counts.add_tokens(len(ids))
+        if finish is not None:
+            self._finish(finish, error)
+
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
         self.finish_reason = reason
         self._counts.ended(reason)
+        self._box.end(error)

@@ -3,7 +3,8 @@
 Build and test machines cannot download weights; `make_test_model(dir)` writes `dir/orpheus` (a
 `LlamaForCausalLM` whose tokenizer has the real Orpheus / Llama 3 token ids) and `dir/snac` (the real
 24 kHz SNAC architecture, or a narrow one with the same rates), loaded by the same code as the real ones.
-Random weights make noise, not speech.
+Random weights make noise, not speech. The Llama's attention heads are 32 wide by default (hidden 64, 4 query and 2
+KV heads): vLLM's CPU attention supports head sizes 32, 64, 80, ... 512, not 16.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SNAC_24KHZ = {
 }
 SNAC_TINY = {**SNAC_24KHZ, "encoder_dim": 8, "decoder_dim": 64}
 SNAC_CONFIGS = {"full": SNAC_24KHZ, "tiny": SNAC_TINY}
+HEAD_DIM = 32  # the smallest head size vLLM's CPU attention runs (cpu_attn.py get_supported_head_sizes)
 
 ROPE_THETA = 500000.0
 ROPE_SCALING = {
@@ -146,7 +148,7 @@ def _make_tokenizer(vocab_size: int):
     return tok
 
 
-def _write_orpheus(out: Path, seed: int) -> None:
+def _write_orpheus(out: Path, seed: int, head_dim: int = HEAD_DIM) -> None:
     """Tiny random LlamaForCausalLM (Orpheus ids, llama3 RoPE, tied embeddings) + tokenizer in `out`."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -158,7 +160,7 @@ def _write_orpheus(out: Path, seed: int) -> None:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,  # independent of hidden_size / heads, as in Llama 3.2
         max_position_embeddings=131072,  # as Llama 3.2 / Orpheus-3B
         rope_scaling=dict(ROPE_SCALING),
         rope_theta=ROPE_THETA,
@@ -227,21 +229,24 @@ def write_snac(out: Path, snac: str = "full", seed: int = 0) -> None:
     torch.save(model.state_dict(), out / "pytorch_model.bin")
 
 
-def make_test_model(out_dir: str | Path, snac: str = "full", seed: int = 0) -> None:
+def make_test_model(out_dir: str | Path, snac: str = "full", seed: int = 0, head_dim: int = HEAD_DIM) -> None:
     """Write `out_dir/orpheus` (tiny random Orpheus + tokenizer) and `out_dir/snac` (random SNAC).
 
-    `snac` is "full" (the real 24 kHz architecture) or "tiny" (narrow, same rates). Deterministic given seed.
+    `snac` is "full" (the real 24 kHz architecture) or "tiny" (narrow, same rates); `head_dim` is the attention
+    head width (even). Deterministic given seed.
     """
     if snac not in SNAC_CONFIGS:
         raise ValueError(f"snac must be one of {sorted(SNAC_CONFIGS)}, got {snac!r}")
+    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim must be an even int >= 2 (RoPE rotates pairs), got {head_dim!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_orpheus(out / "orpheus", seed)
+    _write_orpheus(out / "orpheus", seed, head_dim)
     write_snac(out / "snac", snac, seed)
 
 
 def make_test_model_main(args: argparse.Namespace) -> int:
     """Run `orpheus-tts make-test-model` from parsed arguments."""
-    make_test_model(args.dir, snac=args.snac, seed=args.seed)
+    make_test_model(args.dir, snac=args.snac, seed=args.seed, head_dim=getattr(args, "head_dim", HEAD_DIM))
     print(f"wrote {Path(args.dir) / 'orpheus'} and {Path(args.dir) / 'snac'}")
     return 0

@@ -1,0 +1,82 @@
+"""The whole OrpheusEngine on backend="vllm" (vLLM's CPU build), built from an EngineConfig alone.
+
+Generation speed: vLLM on 2 CPU cores is slower than decoding; a run faster than decoding needs a GPU, so only the
+natural speed runs here. Waits are hang guards, never speed expectations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orpheus_tts_plugin import EngineConfig, OrpheusEngine
+from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME
+from orpheus_tts_plugin.tools.replay import replay_offline
+
+GUARD_S = 180
+
+
+@pytest.fixture(scope="module")
+async def engine(test_model_dir: Path):
+    eng = OrpheusEngine(
+        EngineConfig(
+            backend="vllm", model=str(test_model_dir / "orpheus"), snac=str(test_model_dir / "snac"), device="cpu"
+        )
+    )
+    await eng.start()
+    yield eng
+    await eng.aclose()
+
+
+async def collect(engine: OrpheusEngine, text: str, **kwargs) -> list:
+    async def run() -> list:
+        return [chunk async for chunk in engine.synthesize(text, **kwargs)]
+
+    return await asyncio.wait_for(run(), GUARD_S)
+
+
+def pcm(chunks: list) -> np.ndarray:
+    return np.frombuffer(b"".join(c.pcm for c in chunks), dtype="<i2")
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    """Wait for `cond` (set on the engine's own loop); fails only if it never comes (a hang guard)."""
+    deadline = time.monotonic() + GUARD_S
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_vllm_streams_decodable_audio_equal_to_the_offline_decode(engine: OrpheusEngine, test_model_dir) -> None:
+    log: list[int] = []
+    chunks = await collect(engine, "Hi. Short one.", voice="tara", seed=3, token_log=log)
+    streamed = pcm(chunks)
+    offline = replay_offline(load_snac(str(test_model_dir / "snac")), np.array(log), ENGLISH)
+    assert streamed.size == offline.size > 0
+    assert np.abs(streamed.astype(int) - offline.astype(int)).max() <= 33
+    stats = engine.stats()
+    assert stats.get("invalid_wrong_position", 0) == 0  # the logits processor: every id at its frame position
+    assert not any(k.startswith("invalid_") and v for k, v in stats.items())
+    assert stats["frames"] > 0 and stats["backend"]["backend"] == "vllm"
+
+
+async def test_max_tokens_caps_generation(engine: OrpheusEngine) -> None:
+    before = engine.stats().get("finish_max_tokens", 0)
+    chunks = await collect(engine, "Capped.", max_tokens=70, seed=1)
+    assert pcm(chunks).size == 10 * SAMPLES_PER_FRAME
+    assert engine.stats()["finish_max_tokens"] == before + 1
+
+
+async def test_leaving_the_stream_early_aborts_the_vllm_request(engine: OrpheusEngine) -> None:
+    async for _chunk in engine.synthesize("A long sentence to interrupt. " * 4, seed=2):
+        break  # barge-in
+    await until(lambda: engine.stats()["active_streams"] == 0)
+    await until(lambda: engine.stats()["backend"]["vllm_unfinished_requests"] == 0)
+    backend = engine.stats()["backend"]
+    assert backend["live_requests"] == 0 and backend["aborted"] >= 1

@@ -13,6 +13,10 @@ the wait for each request's first audio and for every later chunk; past it the e
 aborted and `APITimeoutError` (retryable) is raised. Engine errors map to LiveKit errors in
 `_api_error`, whose `retryable` flags decide LiveKit's retries; `tts.FallbackAdapter` fails over on
 any of them.
+
+Aligned transcripts (`capabilities.aligned_transcript`): every stream pushes its words as `TimedString`s,
+seconds from the segment's first sample, estimated by `words.WordTimer`; with
+`AgentSession(use_tts_aligned_transcript=True)` an interrupted reply is cut where its audio stopped.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .errors import (
 )
 from .spec import SAMPLE_RATE
 from .weights import download_files
+from .words import DEFAULT_WEIGHTS, Pace, TimedWord, Weights, WordTimer
 
 try:
     from livekit.agents import (
@@ -55,7 +60,7 @@ try:
         tts,
         utils,
     )
-    from livekit.agents.types import NOT_GIVEN, NotGivenOr
+    from livekit.agents.types import NOT_GIVEN, NotGivenOr, TimedString
 except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
     raise missing_extra("livekit", "the LiveKit adapter", exc) from exc
 
@@ -114,6 +119,7 @@ class TTS(tts.TTS):
         voice: str | None = None,
         sampling: SamplingOverrides | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
+        word_weights: Weights = DEFAULT_WEIGHTS,
         **overrides: float | int | None,
     ) -> None:
         """Speak through `engine`, or through the process-wide engine of `config` (the default config if neither).
@@ -121,11 +127,12 @@ class TTS(tts.TTS):
         Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty,
         max_tokens, seed); None uses the engine's default. `sentence_tokenizer` decides where
         `stream()` cuts pushed text into requests (default: LiveKit's blingfire sentence splitter).
+        `word_weights`: how the aligned transcript's word times are estimated (docs/word-timestamps.md).
         """
         if engine is not None and config is not None:
             raise ValueError("pass either engine or config, not both")
         super().__init__(
-            capabilities=tts.TTSCapabilities(streaming=True),
+            capabilities=tts.TTSCapabilities(streaming=True, aligned_transcript=True),
             sample_rate=SAMPLE_RATE,
             num_channels=NUM_CHANNELS,
         )
@@ -135,6 +142,7 @@ class TTS(tts.TTS):
             sentence_tokenizer if utils.is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
         )
         self._streams: weakref.WeakSet[SynthesizeStream] = weakref.WeakSet()
+        self._pace = Pace(word_weights)  # the voice's speaking rate, learnt from every sentence this TTS speaks
 
     @property
     def engine(self) -> OrpheusEngine:
@@ -180,17 +188,43 @@ class TTS(tts.TTS):
         self._streams.clear()
 
 
-async def _speak(engine: OrpheusEngine, text: str, opts: _Options, emitter: tts.AudioEmitter, timeout: float) -> None:
-    """Push the engine's audio for `text` into `emitter`, no chunk later than `timeout`; failures become API errors."""
+@dataclass
+class _Segment:
+    """One emitter segment's word timeline: the samples already pushed into it, the speaking rate learnt."""
+
+    pace: Pace
+    samples: int = 0
+
+    def timed(self, words: list[TimedWord]) -> list[TimedString]:
+        """Words of the request being spoken as LiveKit's timed transcript (seconds from the segment's start)."""
+        at = self.samples / SAMPLE_RATE
+        return [TimedString(f"{w.text} ", start_time=at + w.start_s, end_time=at + w.end_s) for w in words]
+
+
+async def _speak(
+    engine: OrpheusEngine, text: str, opts: _Options, emitter: tts.AudioEmitter, timeout: float, segment: _Segment
+) -> None:
+    """Push the engine's audio for `text` and its timed words into `emitter`, no chunk later than `timeout`.
+
+    Each word is pushed once its estimated end has been generated, before that chunk's audio; failures
+    become API errors.
+    """
+    pushed = 0
     try:
         chunks = engine.synthesize(text, voice=opts.voice, sampling=opts.sampling)
+        words = WordTimer(engine.sentences(text), segment.pace)
         # aclosing: the generation is aborted the moment this task is cancelled, not at garbage collection.
         async with contextlib.aclosing(chunks):  # type: ignore[type-var]
             async for chunk in _in_time(chunks, timeout):
+                if timed := segment.timed(words.feed(chunk)):
+                    emitter.push_timed_transcript(timed)
                 if chunk.pcm:
                     emitter.push(chunk.pcm)
+                pushed = chunk.start_sample + chunk.num_samples
     except Exception as exc:
         raise _api_error(exc, serving=engine.health()["status"] not in ("failed", "closed")) from exc
+    finally:
+        segment.samples += pushed
 
 
 async def _in_time(chunks: AsyncGenerator[AudioChunk, None], timeout: float) -> AsyncIterator[AudioChunk]:
@@ -253,10 +287,12 @@ class ChunkedStream(tts.ChunkedStream):
         super().__init__(tts=tts, input_text=input_text, conn_options=conn_options)
         self._engine = tts.engine
         self._opts = tts._opts
+        self._pace = tts._pace
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=False)
-        await _speak(self._engine, self._input_text, self._opts, output_emitter, self._conn_options.timeout)
+        segment = _Segment(self._pace)
+        await _speak(self._engine, self._input_text, self._opts, output_emitter, self._conn_options.timeout, segment)
         # no flush(): the base class ends the input, so the last audio frame itself carries is_final
 
 
@@ -268,21 +304,23 @@ class SynthesizeStream(tts.SynthesizeStream):
         self._engine = tts.engine
         self._opts = tts._opts
         self._sentence_tokenizer = tts._sentence_tokenizer
+        self._pace = tts._pace
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=True)
         sentences = self._sentence_tokenizer.stream()
         forward = asyncio.create_task(self._forward_input(sentences), name="orpheus.forward_input")
         try:
-            segment_open = False
+            segment: _Segment | None = None
             async for sentence in sentences:
-                if not segment_open:
+                if segment is None:
                     output_emitter.start_segment(segment_id=utils.shortuuid())
-                    segment_open = True
+                    segment = _Segment(self._pace)
                 self._mark_started()
-                await _speak(self._engine, sentence.token, self._opts, output_emitter, self._conn_options.timeout)
+                timeout = self._conn_options.timeout
+                await _speak(self._engine, sentence.token, self._opts, output_emitter, timeout, segment)
             await forward
-            if segment_open:
+            if segment is not None:
                 output_emitter.end_segment()
         finally:
             await utils.aio.cancel_and_wait(forward)

@@ -12,11 +12,16 @@ Contracts with Pipecat 1.14's `TTSService` (services/tts_service.py), each kept 
   never splits an utterance (`_keep_contexts_open`).
 - A context whose request failed with a reported error is not counted as a silent one
   (`_record_context_audio_outcome`): overload is transient, never a dead service.
+- Word timestamps (`push_text_frames=False`, `add_word_timestamps`): each word is one `TTSTextFrame` with
+  a `pts`, estimated by `words.WordTimer` and placed on the context's playout timeline (`_Playout`), so
+  the output transport releases it as its audio plays and an interruption leaves the assistant message
+  holding the words spoken.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import AsyncGenerator
 from dataclasses import field, fields, make_dataclass
 from typing import Any
@@ -31,6 +36,8 @@ from .errors import (
     ModelLoadError,
     missing_extra,
 )
+from .spec import SAMPLE_RATE
+from .words import DEFAULT_WEIGHTS, Pace, Weights, WordTimer
 
 try:
     from pipecat.audio.utils import create_stream_resampler
@@ -65,6 +72,39 @@ def _delta_field() -> Any:
     return field(default_factory=lambda: NOT_GIVEN)
 
 
+class _Playout:
+    """When each sample of a context's audio plays, in seconds after its first chunk: the words' timeline.
+
+    A chunk plays once it is delivered and once the audio before it has played, as a listener's buffer
+    plays it (the transport passes audio on as it comes). So when generation falls behind real time, the
+    gap delays every later word with the audio, and a word's `pts` stays where its audio is heard.
+    """
+
+    def __init__(self, sample_rate: int):
+        self._rate = sample_rate
+        self._t0: float | None = None
+        self._played = 0.0  # when the audio delivered so far has finished playing
+        self._samples = 0  # samples delivered so far, all the context's requests
+        self._starts: list[int] = []  # the first sample of each chunk
+        self._times: list[float] = []  # when that chunk starts playing
+
+    def deliver(self, now: float, num_samples: int) -> int:
+        """Note a chunk delivered at `now` (seconds, any clock); returns the context sample it begins at."""
+        if self._t0 is None:
+            self._t0 = now
+        start = max(now - self._t0, self._played)
+        self._starts.append(self._samples)
+        self._times.append(start)
+        self._played = start + num_samples / self._rate
+        self._samples += num_samples
+        return self._starts[-1]
+
+    def seconds_at(self, sample: int) -> float:
+        """When context sample `sample` (already delivered) plays, in seconds after the first chunk."""
+        i = max(bisect.bisect_right(self._starts, sample) - 1, 0)
+        return self._times[i] + (sample - self._starts[i]) / self._rate
+
+
 # Runtime-updatable settings: voice, model, language plus one delta field per SamplingOverrides field
 # (None = the engine's default), so that the sampling options are declared in one place only.
 OrpheusTTSSettings = make_dataclass(
@@ -79,7 +119,8 @@ class OrpheusTTSService(TTSService):
     """Pipecat TTS service on a shared OrpheusEngine: one service per call, one engine per process.
 
     Pass `engine=` to share an engine you manage, or `engine_config=` (or nothing) to use the
-    process-wide `OrpheusEngine.shared(config)`. The service never closes the engine.
+    process-wide `OrpheusEngine.shared(config)`. The service never closes the engine. `word_weights`:
+    how word times are estimated (docs/word-timestamps.md).
 
     Event handlers: `on_engine_ready(service)`, once the engine has loaded after this service started.
     """
@@ -93,6 +134,7 @@ class OrpheusTTSService(TTSService):
         engine: OrpheusEngine | None = None,
         engine_config: EngineConfig | None = None,
         settings: OrpheusTTSSettings | None = None,
+        word_weights: Weights = DEFAULT_WEIGHTS,
         **kwargs: Any,
     ):
         if engine is not None and engine_config is not None:
@@ -107,8 +149,10 @@ class OrpheusTTSService(TTSService):
         if settings is not None:
             store.apply_update(settings)
         self._validate(store)
-        super().__init__(push_start_frame=True, push_stop_frames=True, settings=store, **kwargs)
+        super().__init__(push_start_frame=True, push_stop_frames=True, push_text_frames=False, settings=store, **kwargs)
         self._streams: dict[str, AsyncGenerator[AudioChunk, None]] = {}
+        self._playouts: dict[str, _Playout] = {}  # per audio context: where its words play
+        self._pace = Pace(word_weights)  # this call's speaking rate, learnt sentence by sentence
         self._failed_contexts: set[str] = set()  # contexts whose request failed with a reported error
         self._background: list[asyncio.Task[None]] = []
         # Cleared explicitly per utterance, never by a timer: a slow engine tick must not reset it mid-utterance.
@@ -242,10 +286,12 @@ class OrpheusTTSService(TTSService):
     # ---------------------------------------------------------------- synthesis
     @traced_tts
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
-        """Stream the engine's audio for `text` as TTSAudioRawFrames at the pipeline's output rate.
+        """Stream the engine's audio for `text` as TTSAudioRawFrames at the pipeline's output rate, and its words.
 
-        Waits for the engine's load if it is still running. A failure is reported at once, and the
-        context is then closed with the turn (see `_is_yielding_frames_synchronously`).
+        Each word goes to `add_word_timestamps` once its estimated end has been delivered, timed on the
+        context's playout timeline; the base class turns it into a TTSTextFrame with a `pts`. Waits for
+        the engine's load if it is still running. A failure is reported at once, and the context is then
+        closed with the turn (see `_is_yielding_frames_synchronously`).
         """
         settings = self._settings
         try:
@@ -254,13 +300,21 @@ class OrpheusTTSService(TTSService):
             await self._report_failure(exc, context_id)
             return
         self._streams[context_id] = stream
+        words = WordTimer(self._engine.sentences(text), self._pace)
+        playout = self._playouts.setdefault(context_id, _Playout(SAMPLE_RATE))
         await self.start_tts_usage_metrics(text)
         await self._pcm_resampler.reset()
         try:
+            offset = None
             async for chunk in stream:
                 audio = await self._to_output_rate(chunk)
                 if audio:
                     yield TTSAudioRawFrame(audio, self.sample_rate, 1, context_id=context_id)
+                at = playout.deliver(self.get_clock().get_time() / 1e9, chunk.num_samples)
+                offset = at - chunk.start_sample if offset is None else offset
+                timed = [(w.text, playout.seconds_at(offset + w.start)) for w in words.feed(chunk)]
+                if timed:
+                    await self.add_word_timestamps(timed, context_id)
         except Exception as exc:  # noqa: BLE001 - mapped in _report_failure; a start failure is not an EngineError
             await self._report_failure(exc, context_id)
         finally:
@@ -319,7 +373,13 @@ class OrpheusTTSService(TTSService):
     async def on_audio_context_interrupted(self, context_id: str) -> None:
         """Barge-in: abort the engine request still generating this context's audio."""
         self._failed_contexts.discard(context_id)
+        self._playouts.pop(context_id, None)
         await self._close_stream(context_id)
+
+    async def on_audio_context_completed(self, context_id: str) -> None:
+        """The context's audio is all out: forget its timeline (the base restarts word timing with the next)."""
+        self._playouts.pop(context_id, None)
+        await super().on_audio_context_completed(context_id)
 
     async def _close_stream(self, context_id: str) -> None:
         stream = self._streams.pop(context_id, None)
@@ -330,3 +390,4 @@ class OrpheusTTSService(TTSService):
         for context_id in list(self._streams):
             await self._close_stream(context_id)
         self._failed_contexts.clear()
+        self._playouts.clear()

@@ -14,11 +14,12 @@ from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.tests.utils import run_test
 
 from examples.pipecat_phone_agent import mulaw  # noqa: E402
-from examples.pipecat_phone_agent.caller import CallScript  # noqa: E402
+from examples.pipecat_phone_agent.caller import CallScript, Line  # noqa: E402
 from examples.pipecat_phone_agent.demo import run_demo  # noqa: E402
 from examples.pipecat_phone_agent.offline_responder import RULES, OfflineResponder  # noqa: E402
 from examples.pipecat_phone_agent.offline_stt import SAMPLE_RATE, PocketsphinxRecognizer  # noqa: E402
 from examples.pipecat_phone_agent.server import twiml  # noqa: E402
+from examples.pipecat_phone_agent.waterfall import STAGES, stages_ms  # noqa: E402
 
 TRANSPORT_CHUNK_MS = 40  # Pipecat's default output chunk: 4 x 10 ms
 needs_espeak = pytest.mark.skipif(
@@ -56,6 +57,41 @@ async def test_offline_responder_streams_a_canned_answer_as_llm_text():
     assert "".join(f.text for f in tokens) == RULES[0][1]
 
 
+def test_each_stage_is_timed_from_the_callers_speech_end_after_the_stage_that_causes_it():
+    moments = [  # (monotonic s, stage) as the server's observer notes them; 10.0 is the caller's speech end
+        [9.0, "tts_first_audio"],  # the previous reply's audio: before the speech end, not this turn's
+        [10.25, "vad_stop"],
+        [10.6, "transcript"],
+        [10.9, "turn_end"],
+        [10.91, "llm_first_token"],
+        [11.2, "tts_first_audio"],
+        [11.21, "transport_out"],
+        [14.0, "turn_end"],  # the next turn's
+    ]
+    stages = stages_ms(moments, speech_end=10.0, caller_first_audio=11.25)
+    assert list(stages)[: len(STAGES)] == list(STAGES)
+    assert stages == {
+        "turn_end": 900.0,
+        "transcript": 600.0,
+        "llm_first_token": 910.0,
+        "tts_first_audio": 1200.0,
+        "transport_out": 1210.0,
+        "caller_first_audio": 1250.0,
+        "vad_stop": 250.0,
+    }
+    assert stages_ms([], 10.0, None)["turn_end"] is None
+
+
+def test_a_gap_is_a_silence_over_100_ms_between_pieces_of_agent_audio_the_caller_hears():
+    line = Line(ws=None)
+    for arrival in (1.0, 1.02, 1.04, 1.30, 1.32):  # 20 ms packets: a 0.24 s hole after the third
+        line._play(arrival, mulaw.silence(0.02))
+    line._play(1.40, mulaw.silence(0.02))  # arrives while the buffer still plays: no gap (1.34 → 1.40 is 60 ms)
+    gaps = line.gaps(0.0, 2.0)
+    assert [round(g, 3) for g in gaps] == [0.24]
+    assert line.gaps(1.1, 2.0) == []  # only inside the window asked about
+
+
 @needs_espeak
 async def test_pocketsphinx_recognizes_the_callers_question(caller_lines: dict[str, bytes]):
     pcm = soxr.resample(mulaw.decode(caller_lines["question"]), mulaw.RATE, SAMPLE_RATE).astype(np.int16)
@@ -80,6 +116,9 @@ def test_four_simulated_calls_at_once_hear_the_agent_and_barge_in_clears_its_aud
     report = run_demo(tmp_path, server_args, calls=4, script=script)
 
     assert report["server"]["calls"]["total"] == 4
+    assert isinstance(report["agent_audio_gaps_over_100ms"], int)
+    assert (tmp_path / "waterfall.png").stat().st_size > 0
+    assert set(report["stage_medians_ms"]) >= set(STAGES)
     engine = report["server"]["engine"]
     assert engine["active_streams"] == 0
     assert engine["streams_started"] >= 12  # greeting + answer + reply to the barge-in, in every call
@@ -88,6 +127,13 @@ def test_four_simulated_calls_at_once_hear_the_agent_and_barge_in_clears_its_aud
         assert call["greeting_ms"] is not None
         assert [t["said"] for t in call["turns"]] == ["question", "barge_in"]
         assert all(t["speech_end_to_agent_audio_ms"] is not None for t in call["turns"])
+        assert call["server_turn_ends"] == 2, call["timeline_ms"]  # the question and the barge-in, neither split
+        for turn in call["turns"]:  # the waterfall: every stage reached, each after the one that causes it
+            stages = turn["stages_ms"]
+            assert all(stages[s] is not None for s in STAGES), stages
+            chain = [stages[s] for s in ("turn_end", "llm_first_token", "tts_first_audio", "transport_out")]
+            assert chain == sorted(chain) and 0 < stages["vad_stop"] < stages["transcript"] <= chain[0] + 1
+            assert stages["caller_first_audio"] == turn["speech_end_to_agent_audio_ms"]
         barge_in = call["barge_in"]
         assert barge_in["to_clear_ms"] is not None, call["timeline_ms"]  # Twilio `clear` sent
         # The interrupted turn ends: nothing follows the `clear` while the caller talks, except at most the one

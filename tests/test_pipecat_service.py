@@ -7,11 +7,12 @@ faster than decoding (unpaced) and slower (paced), and a synthetic backend whose
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,10 +25,13 @@ from pipecat.frames.frames import (
     ErrorFrame,
     Frame,
     InterruptionFrame,
+    LLMContextFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
+    LLMRunFrame,
     LLMTextFrame,
     MetricsFrame,
+    OutputAudioRawFrame,
     StartFrame,
     TTSAudioRawFrame,
     TTSSpeakFrame,
@@ -35,18 +39,28 @@ from pipecat.frames.frames import (
     TTSStoppedFrame,
     TTSTextFrame,
     TTSUpdateSettingsFrame,
+    VADUserStartedSpeakingFrame,
 )
 from pipecat.metrics.metrics import TTFBMetricsData, TTSUsageMetricsData
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair, LLMUserAggregatorParams
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.tests.utils import run_test
+from pipecat.transports.base_output import BaseOutputTransport
+from pipecat.transports.base_transport import TransportParams
+from pipecat.turns.user_start.vad_user_turn_start_strategy import VADUserTurnStartStrategy
+from pipecat.turns.user_stop.speech_timeout_user_turn_stop_strategy import SpeechTimeoutUserTurnStopStrategy
+from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from pipecat.workers.runner import WorkerRunner
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.backends.base import GenerationRequest
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.pipecat import OrpheusTTSService
+from orpheus_tts_plugin.spec import SAMPLE_RATE
+from orpheus_tts_plugin.words import Pace, WordTimer
 
 Settings = OrpheusTTSService.Settings
 TEXT = "Hello there, thanks for calling the test line today."
@@ -345,11 +359,7 @@ async def test_llm_text_is_spoken_sentence_by_sentence_in_one_context(engine: Or
             LLMFullResponseEndFrame(),
         ],
     )
-    assert [f.text.strip() for f in down if isinstance(f, TTSTextFrame)] == [
-        "Hello there.",
-        "How are you today?",
-        "Fine",
-    ]
+    assert [f.text for f in down if isinstance(f, TTSTextFrame)] == "Hello there. How are you today? Fine".split()
     assert len([f for f in down if isinstance(f, TTSStartedFrame)]) == 1
     assert len([f for f in down if isinstance(f, TTSStoppedFrame)]) == 1
     assert len(audio_by_context(down)) == 1
@@ -478,3 +488,162 @@ def test_package_import_does_not_import_pipecat():
         "assert OrpheusTTSService.__module__ == 'orpheus_tts_plugin.pipecat'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ------------------------------------------------------------------ word timestamps
+# One sentence (Pipecat's aggregator passes it whole), long enough that its words outlast the held audio.
+REPLY = (
+    "Our opening hours are nine to five on weekdays and ten to four on Saturdays, and we are closed on "
+    "Sundays and public holidays, so please call back on a weekday if you need anything else from us."
+)
+REPLY_HOLD = 330  # tokens before the reply's request stalls: 47 frames, about 4 s of audio
+# Tokens a second a stream: generation ahead of playback (unpaced, 300/s) and behind it (60/s is 0.73x real
+# time: the speaker runs dry between chunks, and every later word must move with the audio).
+PLAYBACK_SPEEDS = {**PACINGS, "slower-than-playback": 60.0}
+STALL_AT = 7 * 18  # tokens before a request stalls in the stall test: 18 frames, about 1.4 s of audio
+
+
+class Speaker(BaseOutputTransport):
+    """An audio device at the end of the pipeline: plays each chunk in real time after the one before it.
+
+    `played(at)` is how much audio has been heard by `at` (time.monotonic()); `interrupted_at` when the
+    first InterruptionFrame reached the device.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(TransportParams(audio_out_enabled=True))
+        self._plays: list[tuple[float, float]] = []  # (start, seconds) of each chunk
+        self._until = 0.0
+        self.interrupted_at: float | None = None
+
+    async def start(self, frame: StartFrame) -> None:
+        await super().start(frame)
+        await self.set_transport_ready(frame)
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        if isinstance(frame, InterruptionFrame) and self.interrupted_at is None:
+            self.interrupted_at = time.monotonic()
+        await super().process_frame(frame, direction)
+
+    async def write_audio_frame(self, frame: OutputAudioRawFrame) -> bool:
+        now = time.monotonic()
+        start = max(now, self._until)
+        seconds = len(frame.audio) / 2 / frame.sample_rate
+        self._plays.append((start, seconds))
+        self._until = start + seconds
+        await asyncio.sleep(start - now)  # a one-chunk device buffer: the write waits while the chunk before plays
+        return True
+
+    def played(self, at: float | None = None) -> float:
+        at = time.monotonic() if at is None else at
+        return sum(min(max(at - start, 0.0), seconds) for start, seconds in self._plays)
+
+
+class ScriptedLLM(FrameProcessor):
+    """In place of the LLM: answers every context with `reply`, streamed a word at a time."""
+
+    def __init__(self, reply: str):
+        super().__init__()
+        self.reply = reply
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if not isinstance(frame, LLMContextFrame):
+            await self.push_frame(frame, direction)
+            return
+        await self.push_frame(LLMFullResponseStartFrame())
+        for token in re.findall(r"\S+\s*", self.reply):
+            await self.push_frame(LLMTextFrame(token))
+        await self.push_frame(LLMFullResponseEndFrame())
+
+
+@pytest.fixture(params=sorted(PLAYBACK_SPEEDS))
+async def replying_engine(
+    synthetic_config: EngineConfig, request: pytest.FixtureRequest
+) -> AsyncIterator[OrpheusEngine]:
+    """Each request stalls after REPLY_HOLD tokens (still generating when cut), at each PLAYBACK_SPEEDS rate."""
+    config = replace(
+        synthetic_config,
+        synthetic=replace(synthetic_config.synthetic, tokens_per_second=PLAYBACK_SPEEDS[request.param]),
+    )
+    async with controlled_engine(config, hold_after=REPLY_HOLD) as engine:
+        yield engine
+
+
+async def test_each_word_is_one_text_frame_with_a_pts_in_order_and_a_tag_is_no_word(engine: OrpheusEngine):
+    service = OrpheusTTSService(engine=engine)
+    text = "Well <laugh> hello there, how are you today?"
+    down, up = await run(service, [TTSSpeakFrame(text)])
+    words = [f for f in down if isinstance(f, TTSTextFrame)]
+    assert [f.text for f in words] == "Well hello there, how are you today?".split()
+    assert all(f.pts for f in words)
+    assert [f.pts for f in words] == sorted(f.pts for f in words)
+    stopped = next(f for f in down if isinstance(f, TTSStoppedFrame))
+    assert stopped.pts == words[-1].pts  # the base class sends the end after the last word
+    assert not errors(up)
+
+
+async def speak_and_interrupt(
+    engine: OrpheusEngine, before_interrupting: Callable[[Speaker], Awaitable[None]]
+) -> tuple[list[str], list[str]]:
+    """REPLY through user aggregator → LLM → TTS → speaker → assistant aggregator, cut off by the caller.
+
+    Awaits `before_interrupting(speaker)`, then the caller starts talking over the bot. Returns the words
+    of the assistant message the interruption left, and the words whose audio the speaker had played by
+    then, where the estimator placed them: the speaking-rate prior's plan (positions in the audio, which
+    neither delivery nor playback timing changes; the words of interest are all given before the end).
+    """
+    context = LLMContext([{"role": "user", "content": "When are you open?"}])
+    strategies = UserTurnStrategies(start=[VADUserTurnStartStrategy()], stop=[SpeechTimeoutUserTurnStopStrategy()])
+    pair = LLMContextAggregatorPair(context, user_params=LLMUserAggregatorParams(user_turn_strategies=strategies))
+    speaker = Speaker()
+    pipeline = Pipeline([pair.user(), ScriptedLLM(REPLY), OrpheusTTSService(engine=engine), speaker, pair.assistant()])
+    async with running_pipeline(pipeline, PipelineParams(audio_out_sample_rate=SAMPLE_RATE)) as p:
+        await p.send(LLMRunFrame())
+        await before_interrupting(speaker)
+        await p.send(VADUserStartedSpeakingFrame())  # the user aggregator's turn start interrupts the bot
+        await wait_until(lambda: any(m["role"] == "assistant" for m in context.get_messages()), timeout=10)
+    assert speaker.interrupted_at is not None
+    played = speaker.played(speaker.interrupted_at)
+    [message] = [m["content"] for m in context.get_messages() if m["role"] == "assistant"]
+    planned = WordTimer([REPLY], Pace()).feed(_Chunk(0, 60 * SAMPLE_RATE))
+    said = message.split()
+    assert said == REPLY.split()[: len(said)], message  # the reply's own words, in order
+    return said, [w.text for w in planned if w.start_s <= played]
+
+
+async def test_an_interruption_mid_sentence_leaves_the_assistant_message_holding_the_words_played(
+    replying_engine: OrpheusEngine,
+):
+    async def two_seconds_played(speaker: Speaker) -> None:
+        await wait_until(lambda: speaker.played() >= 2.0, timeout=60)  # mid-sentence: its audio stalls at ~4 s
+
+    said, played = await speak_and_interrupt(replying_engine, two_seconds_played)
+    assert len(played) >= 5 and abs(len(said) - len(played)) <= 1, (said, played)
+    assert replying_engine.stats()["active_streams"] == 0
+
+
+async def test_after_a_stall_in_generation_the_words_still_wait_for_their_audio(
+    synthetic_config: EngineConfig, pacing: str
+):
+    async with controlled_engine(paced(synthetic_config, pacing), hold_after=STALL_AT) as engine:
+
+        async def stall_then_resume(speaker: Speaker) -> None:
+            await wait_until(lambda: speaker.played() >= 1.0, timeout=60)
+            await asyncio.sleep(1.5)  # the request stalls after ~1.4 s of audio: the speaker runs dry for > 1 s
+            resumed_at = speaker.played()
+            engine.backend_control.release.set()  # then it races ahead of playback again
+            await wait_until(lambda: speaker.played() >= resumed_at + 1.0, timeout=60)
+
+        said, played = await speak_and_interrupt(engine, stall_then_resume)
+    assert len(played) >= 5 and abs(len(said) - len(played)) <= 1, (said, played)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """The part of an AudioChunk a WordTimer reads."""
+
+    start_sample: int
+    num_samples: int
+    utterance: int = 0
+    utterance_end: bool = False

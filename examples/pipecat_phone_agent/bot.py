@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from fastapi import WebSocket
 from loguru import logger
 from pipecat.audio.vad.silero import SileroVADAnalyzer
+from pipecat.audio.vad.vad_analyzer import VADParams
 from pipecat.frames.frames import TTSSpeakFrame
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
@@ -18,10 +19,16 @@ from pipecat.processors.aggregators.llm_response_universal import (
 )
 from pipecat.serializers.twilio import TwilioFrameSerializer
 from pipecat.transports.websocket.fastapi import FastAPIWebsocketParams, FastAPIWebsocketTransport
-from pipecat.turns.user_stop import SpeechTimeoutUserTurnStopStrategy
+from pipecat.turns.user_stop import (
+    BaseUserTurnStopStrategy,
+    SpeechTimeoutUserTurnStopStrategy,
+    TurnAnalyzerUserTurnStopStrategy,
+)
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from pipecat.workers.runner import WorkerRunner
 
+from .config import TurnTaking
+from .latency import TurnMoments, call_markers
 from .stages import AgentResources
 
 PIPELINE_IN_RATE = 16_000  # what the recognizers (and Silero) take; the serializer upsamples Twilio's 8 kHz
@@ -45,6 +52,15 @@ async def read_twilio_start(websocket: WebSocket) -> TwilioCall:
             return TwilioCall(stream_sid=start["streamSid"], call_sid=start.get("callSid", ""))
 
 
+def turn_stop_strategy(turns: TurnTaking) -> BaseUserTurnStopStrategy:
+    """What ends the caller's turn: a pause of `user_speech_timeout` after the VAD stop, or the smart-turn model."""
+    if turns.stop == "smart":
+        from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
+
+        return TurnAnalyzerUserTurnStopStrategy(turn_analyzer=LocalSmartTurnAnalyzerV3())
+    return SpeechTimeoutUserTurnStopStrategy(user_speech_timeout=turns.user_speech_timeout)
+
+
 def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResources) -> PipelineWorker:
     """The call's pipeline, with a greeting on connect and a cancel on hang-up."""
     serializer = TwilioFrameSerializer(
@@ -56,24 +72,18 @@ def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResourc
         websocket,
         FastAPIWebsocketParams(audio_in_enabled=True, audio_out_enabled=True, serializer=serializer),
     )
+    turns = resources.config.turns
+    vad = SileroVADAnalyzer(params=VADParams(start_secs=turns.vad_start_secs, stop_secs=turns.vad_stop_secs))
+    stop = turn_stop_strategy(turns)
     aggregators = LLMContextAggregatorPair(
         LLMContext(),
-        user_params=LLMUserAggregatorParams(
-            vad_analyzer=SileroVADAnalyzer(),
-            user_turn_strategies=UserTurnStrategies(stop=[SpeechTimeoutUserTurnStopStrategy()]),
-        ),
+        user_params=LLMUserAggregatorParams(vad_analyzer=vad, user_turn_strategies=UserTurnStrategies(stop=[stop])),
     )
-    pipeline = Pipeline(
-        [
-            transport.input(),
-            resources.make_stt(),
-            aggregators.user(),
-            resources.make_llm(),
-            resources.make_tts(),
-            transport.output(),
-            aggregators.assistant(),
-        ]
-    )
+    stt, llm, tts = resources.make_stt(), resources.make_llm(), resources.make_tts()
+    user, out = aggregators.user(), transport.output()
+    moments = TurnMoments(call_markers(user, stt, llm, tts, out))
+    resources.keep_moments(call.stream_sid, moments.moments)
+    pipeline = Pipeline([transport.input(), stt, user, llm, tts, out, aggregators.assistant()])
     worker = PipelineWorker(
         pipeline,
         params=PipelineParams(
@@ -82,6 +92,7 @@ def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResourc
             enable_metrics=True,
             enable_usage_metrics=True,
         ),
+        observers=[moments],
     )
 
     @transport.event_handler("on_client_connected")

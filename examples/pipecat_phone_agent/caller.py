@@ -7,7 +7,8 @@ records both sides to a stereo WAV (left: caller, right: agent as heard), and me
 - greeting: WebSocket open → first agent audio;
 - each turn: end of the caller's speech → first agent audio;
 - barge-in (the caller talks over the answer): → `clear`, → last agent audio of the interrupted turn,
-  and how much agent audio arrived after the `clear` before the caller finished (should be none).
+  and how much agent audio arrived after the `clear` before the caller finished (should be none);
+- gaps: silences over 100 ms inside the agent's replies, where its playout buffer ran dry.
 
     python -m examples.pipecat_phone_agent.caller ws://127.0.0.1:8765/ws --calls 4 --out out/calls
 """
@@ -35,6 +36,7 @@ import websockets
 from . import mulaw
 
 PACKET_S = mulaw.PACKET_BYTES / mulaw.RATE
+GAP_S = 0.1  # a silence inside a reply longer than this is a gap in the agent's audio
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class CallScript:
 class _Utterance:
     packets: deque[bytes]
     done: asyncio.Future[tuple[float, float]]
+    voiced_s: float  # where the speech in it ends (the rest is the recording's trailing silence)
     start: float | None = None
 
 
@@ -137,7 +140,7 @@ class Line:
     def _utterance_sent(self) -> None:
         if self._queue and not self._queue[0].packets:
             utterance = self._queue.popleft()
-            utterance.done.set_result((utterance.start, self.now()))
+            utterance.done.set_result((utterance.start, utterance.start + utterance.voiced_s))
 
     async def _listen(self) -> None:
         async for raw in self.ws:
@@ -164,13 +167,13 @@ class Line:
 
     # ------------------------------------------------------------ caller actions
     async def say(self, ulaw: bytes) -> tuple[float, float]:
-        """Speak in real time; returns when the last packet is sent, with (start, end) times."""
+        """Speak in real time; returns when the last packet is sent, with the times speech started and ended."""
         packets = deque(ulaw[i : i + mulaw.PACKET_BYTES] for i in range(0, len(ulaw), mulaw.PACKET_BYTES))
         if len(packets[-1]) < mulaw.PACKET_BYTES:
             packets[-1] += mulaw.silence((mulaw.PACKET_BYTES - len(packets[-1])) / mulaw.RATE)
         if self._tasks[0].done():
             raise ConnectionError("the agent closed the media stream")
-        utterance = _Utterance(packets, asyncio.get_running_loop().create_future())
+        utterance = _Utterance(packets, asyncio.get_running_loop().create_future(), mulaw.voiced_until(ulaw))
         self._queue.append(utterance)
         start, end = await utterance.done
         self.events += [(start, "caller speaks"), (end, "caller stops")]
@@ -197,6 +200,11 @@ class Line:
     def audio_seconds(self, start: float, end: float) -> float:
         """Seconds of agent audio that arrived in (start, end]."""
         return sum(len(p) for a, p in self.media if start < a <= end) / mulaw.RATE
+
+    def gaps(self, start: float, end: float, over_s: float = GAP_S) -> list[float]:
+        """Silences longer than `over_s` between pieces of agent audio heard in (start, end): buffer underruns."""
+        pieces = sorted((s, s + len(p) / mulaw.RATE) for s, p in self.heard if start < s <= end and p)
+        return [b[0] - a[1] for a, b in zip(pieces, pieces[1:]) if b[0] - a[1] > over_s]
 
     def timeline(self, gap_s: float = 0.2) -> list[list[Any]]:
         """[ms since open, what] for caller speech, `clear`s and agent audio bursts (arrivals < gap_s apart)."""
@@ -259,9 +267,9 @@ async def _converse(line: Line, script: CallScript, report: dict[str, Any]) -> N
     report["greeting_ms"] = _ms(greeting - line.t0)
     await line.agent_idle(script.idle_s, script.timeout_s)
 
-    _, asked = await line.say(script.question)
+    question, asked = await line.say(script.question)
     answer = await line.first_audio_after(asked, script.timeout_s)
-    report["turns"].append({"said": "question", "speech_end_to_agent_audio_ms": _ms(answer - asked)})
+    report["turns"].append(_turn("question", asked, answer))
 
     await asyncio.sleep(max(0.0, answer + script.barge_in_after_s - line.now()))
     barge, barge_end = await line.say(script.barge_in)
@@ -275,8 +283,21 @@ async def _converse(line: Line, script: CallScript, report: dict[str, Any]) -> N
     }
 
     reply = await line.first_audio_after(barge_end, script.timeout_s)
-    report["turns"].append({"said": "barge_in", "speech_end_to_agent_audio_ms": _ms(reply - barge_end)})
+    report["turns"].append(_turn("barge_in", barge_end, reply))
     await asyncio.sleep(script.listen_s)
+    # The agent's replies: the greeting until the question, the answer until the barge-in, the last reply.
+    replies = [(line.t0, question), (asked, barge), (barge_end, line.now())]
+    report["agent_audio_gaps_ms"] = [_ms(g) for start, end in replies for g in line.gaps(start, end)]
+
+
+def _turn(said: str, speech_end: float, first_audio: float) -> dict[str, Any]:
+    """One caller turn: its latency, and both ends on the machine's monotonic clock (the server's moments too)."""
+    return {
+        "said": said,
+        "speech_end_to_agent_audio_ms": _ms(first_audio - speech_end),
+        "speech_end_monotonic": speech_end,
+        "first_audio_monotonic": first_audio,
+    }
 
 
 async def run_calls(url: str, script: CallScript, out_dir: Path, calls: int = 4, stagger_s: float = 0.25) -> dict:
@@ -287,7 +308,8 @@ async def run_calls(url: str, script: CallScript, out_dir: Path, calls: int = 4,
         return {"call": i, **await place_call(url, script, out_dir / f"call-{i}.wav")}
 
     results = await asyncio.gather(*(one(i) for i in range(calls)))
-    return {"calls": results, "summary": summarize(results)}
+    gaps = sum(len(c.get("agent_audio_gaps_ms", [])) for c in results)
+    return {"calls": results, "summary": summarize(results), "agent_audio_gaps_over_100ms": gaps}
 
 
 def summarize(calls: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -310,6 +332,7 @@ def print_summary(report: dict[str, Any]) -> None:
     print(f"{'latency (ms)':<40}{'n':>4}{'min':>9}{'median':>9}{'max':>9}")
     for key, s in report["summary"].items():
         print(f"{key:<40}{s['n']:>4}{s['min']:>9.0f}{s['median']:>9.0f}{s['max']:>9.0f}")
+    print(f"agent audio gaps over {GAP_S * 1000:.0f} ms (all calls): {report['agent_audio_gaps_over_100ms']}")
     for call in report["calls"]:
         if call["error"]:
             print(f"call {call['call']}: {call['error']}")

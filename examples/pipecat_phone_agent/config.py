@@ -16,6 +16,16 @@ SYSTEM_PROMPT = (
 
 
 @dataclass(frozen=True)
+class TurnTaking:
+    """When the caller's turn is over: the knobs that set the agent's reaction time (README: measured cost)."""
+
+    vad_start_secs: float = 0.1  # speech this long starts a turn (and interrupts the agent)
+    vad_stop_secs: float = 0.2  # silence this long is the end of speech for Silero VAD
+    stop: str = "timeout"  # timeout: the turn ends user_speech_timeout after the VAD stop | smart: smart-turn v3
+    user_speech_timeout: float = 0.6  # (timeout) how long the caller may pause and go on before the turn ends
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """Everything one phone agent server needs; every call shares one engine and one STT worker pool."""
 
@@ -33,7 +43,9 @@ class AgentConfig:
     voice: str = "tara"
     max_tokens: int | None = None  # cap on audio tokens per sentence (about 82 per second of speech)
     greeting: str = GREETING
+    turns: TurnTaking = field(default_factory=TurnTaking)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    tts_url: str | None = None  # speak through `orpheus-tts serve` at this URL (RemoteEngine) instead of in-process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--voice", default=d.voice)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="audio tokens per sentence at most")
     p.add_argument("--greeting", default=d.greeting)
+    t = p.add_argument_group("turn taking")
+    t.add_argument("--vad-start-secs", type=float, default=d.turns.vad_start_secs)
+    t.add_argument("--vad-stop-secs", type=float, default=d.turns.vad_stop_secs)
+    t.add_argument("--turn-stop", choices=("timeout", "smart"), default=d.turns.stop)
+    t.add_argument("--user-speech-timeout", type=float, default=d.turns.user_speech_timeout)
     g = p.add_argument_group("Orpheus engine")
+    g.add_argument("--tts-url", default=None, help="speak through an `orpheus-tts serve` server (ws://HOST:PORT)")
     g.add_argument("--model", default=e.model, help="hub id or local dir; 'none' with --backend synthetic")
     g.add_argument("--snac", default=e.snac)
     g.add_argument("--backend", default=e.backend, help="hf | trtllm | vllm | remote | synthetic")
@@ -89,5 +107,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         voice=a.voice,
         max_tokens=a.max_tokens,
         greeting=a.greeting,
+        turns=TurnTaking(a.vad_start_secs, a.vad_stop_secs, a.turn_stop, a.user_speech_timeout),
         engine=engine,
+        tts_url=a.tts_url,
     )

@@ -1,11 +1,13 @@
 """The phone agent end to end on one machine, offline: server + simulated Twilio callers, then a report.
 
-    python -m examples.pipecat_phone_agent.demo [--calls 4] [--out out/phone-agent]
+    python -m examples.pipecat_phone_agent.demo [--calls 4] [--out out/phone-agent] [--tts inprocess|serve|both]
 
 Makes what it needs if missing (the random-weight test model from `orpheus-tts make-test-model`, the
 caller's speech from espeak-ng), starts the server (pocketsphinx STT, the offline responder, Orpheus
 on the test model, one engine for all calls), places the calls at once over real WebSockets, and
-writes a stereo WAV per call plus a JSON report of the latencies the callers measured.
+writes a stereo WAV per call plus a JSON report of the latencies the callers measured, each turn's
+latency waterfall (`stages_ms`) and a chart of it, and the gaps in the agent's audio. `--tts serve`
+speaks through a local `orpheus-tts serve` process (RemoteEngine) instead; `both` runs both ways.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from .caller import CallScript, print_summary, run_calls
 from .make_fixtures import load_fixtures
+from .waterfall import add_stages, medians, plot, print_medians
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,27 +60,30 @@ def settled_stats(base: str, timeout: float = 10.0) -> dict[str, Any]:
     return stats
 
 
+def http_ok(url: str) -> bool:
+    """Whether GET `url` answers 2xx."""
+    try:
+        with urllib.request.urlopen(url, timeout=10):
+            return True
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
-def agent_server(server_args: list[str], log_path: Path, start_timeout: float = 300.0) -> Iterator[str]:
-    """Run the phone agent server on a free loopback port until the block ends; yields its http:// base URL."""
-    port = free_port()
+def running(cmd: list[str], ready_url: str, log_path: Path, start_timeout: float = 300.0) -> Iterator[None]:
+    """Run `cmd` (from the repository root, output to `log_path`) until the block ends, once `ready_url` answers."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "examples.pipecat_phone_agent.server", "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*cmd, *server_args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + start_timeout
-        while True:  # /stats answers once the engine and recognizer have loaded
+        while not http_ok(ready_url):
             if proc.poll() is not None:
-                raise RuntimeError(f"agent server exited ({proc.returncode}); see {log_path}")
-            with contextlib.suppress(OSError):
-                get_json(f"{base}/stats")
-                break
+                raise RuntimeError(f"{cmd[2]} exited ({proc.returncode}); see {log_path}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"agent server not up after {start_timeout:.0f} s; see {log_path}")
+                raise TimeoutError(f"{cmd[2]} not up after {start_timeout:.0f} s; see {log_path}")
             time.sleep(0.25)
-        yield base
+        yield
     finally:
         proc.terminate()
         try:
@@ -87,16 +93,46 @@ def agent_server(server_args: list[str], log_path: Path, start_timeout: float = 
             proc.wait()
 
 
-def run_demo(out: Path, server_args: list[str], calls: int = 4, script: CallScript | None = None) -> dict[str, Any]:
-    """Start the server, place `calls` simulated calls at once, return (and write) the report."""
+@contextlib.contextmanager
+def agent_server(server_args: list[str], log_path: Path, start_timeout: float = 300.0) -> Iterator[str]:
+    """Run the phone agent server on a free loopback port until the block ends; yields its http:// base URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "examples.pipecat_phone_agent.server", "--host", "127.0.0.1", "--port", str(port)]
+    base = f"http://127.0.0.1:{port}"
+    with running([*cmd, *server_args], f"{base}/stats", log_path, start_timeout):  # once engine and STT loaded
+        yield base
+
+
+@contextlib.contextmanager
+def tts_server(serve_args: list[str], log_path: Path) -> Iterator[str]:
+    """Run `orpheus-tts serve` on a free loopback port until the block ends; yields its ws:// URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "orpheus_tts_plugin.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    with running([*cmd, *serve_args], f"http://127.0.0.1:{port}/ready", log_path):  # once the engine has loaded
+        yield f"ws://127.0.0.1:{port}"
+
+
+def run_demo(
+    out: Path, server_args: list[str], calls: int = 4, script: CallScript | None = None, name: str = ""
+) -> dict[str, Any]:
+    """Start the server, place `calls` simulated calls at once, return (and write) the report.
+
+    `name` suffixes what the run writes (report{name}.json, calls{name}/, waterfall{name}.png, server{name}.log).
+    """
     lines = load_fixtures(out / "fixtures")
     script = script or CallScript(question=lines["question"], barge_in=lines["barge_in"])
-    with agent_server(server_args, out / "server.log") as base:
+    with agent_server(server_args, out / f"server{name}.log") as base:
         ws_url = base.replace("http://", "ws://") + "/ws"
-        report = asyncio.run(run_calls(ws_url, script, out / "calls", calls=calls))
+        report = asyncio.run(run_calls(ws_url, script, out / f"calls{name}", calls=calls))
         report["server"] = settled_stats(base)
-    report["server_log"] = str(out / "server.log")
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+        sids = [c["stream_sid"] for c in report["calls"]]
+        add_stages(report, {sid: get_json(f"{base}/calls/{sid}/moments") for sid in sids})
+    report["stage_medians_ms"] = medians(report)
+    report["server_log"] = str(out / f"server{name}.log")
+    report["waterfall_png"] = str(out / f"waterfall{name}.png")
+    report["calls_dir"] = str(out / f"calls{name}")
+    plot(report, out / f"waterfall{name}.png", title=f"latency per turn ({name.strip('-') or 'in-process'} TTS)")
+    (out / f"report{name}.json").write_text(json.dumps(report, indent=2))
     return report
 
 
@@ -106,23 +142,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=4, help="simulated calls placed at once")
     parser.add_argument("--snac", choices=("tiny", "full"), default="tiny", help="test model's SNAC size")
     parser.add_argument("--max-tokens", type=int, default=300, help="audio tokens per sentence (~3.6 s)")
+    parser.add_argument(
+        "--tts",
+        choices=("inprocess", "serve", "both"),
+        default="inprocess",
+        help="the engine in the agent's process, behind `orpheus-tts serve`, or both in turn",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed to the agent server, e.g. --server-arg=--user-speech-timeout=0.3",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     model = ensure_test_model(out / "test-model", args.snac)
+    weights = ("--model", str(model / "orpheus"), "--snac", str(model / "snac"), "--backend", "hf", "--device", "cpu")
     server_args = [
-        *("--model", str(model / "orpheus"), "--snac", str(model / "snac"), "--backend", "hf", "--device", "cpu"),
+        *weights,
         *("--stt", "pocketsphinx", "--llm", "offline", "--max-tokens", str(args.max_tokens)),
+        *args.server_arg,
     ]
-    report = run_demo(out, server_args, calls=args.calls)
-    print_summary(report)
-    engine = report["server"]["engine"]
-    print(
-        f"engine: {report['server']['calls']['total']} calls, {engine.get('streams_started', 0)} streams, "
-        f"{engine.get('streams_cancelled', 0)} cancelled (barge-in or hang-up), {engine['active_streams']} still active"
-    )
-    print(f"recordings (left: caller, right: agent as heard): {out / 'calls'}/call-*.wav")
-    print(f"report: {out / 'report.json'}; server log: {out / 'server.log'}")
-    return 0 if all(c["error"] is None for c in report["calls"]) else 1
+    runs: dict[str, dict[str, Any]] = {}
+    if args.tts in ("inprocess", "both"):
+        runs["in-process"] = run_demo(out, server_args, calls=args.calls)
+    if args.tts in ("serve", "both"):
+        with tts_server([*weights, "--max-streams", "64"], out / "tts-serve.log") as url:
+            runs["serve"] = run_demo(out, [*server_args, "--tts-url", url], calls=args.calls, name="-serve")
+    for name, report in runs.items():
+        print(f"--- {name} TTS")
+        print_summary(report)
+        engine = report["server"]["engine"]
+        print(
+            f"engine: {report['server']['calls']['total']} calls, {engine.get('streams_started', 0)} streams, "
+            f"{engine.get('streams_cancelled', 0)} cancelled (barge-in or hang-up), "
+            f"{engine['active_streams']} still active"
+        )
+    print_medians({name: report["stage_medians_ms"] for name, report in runs.items()})
+    for name, report in runs.items():
+        suffix = "-serve" if name == "serve" else ""
+        print(
+            f"{name}: report {out / f'report{suffix}.json'}, waterfall {report['waterfall_png']}, "
+            f"recordings (left: caller, right: agent as heard) {report['calls_dir']}/call-*.wav"
+        )
+    return 0 if all(c["error"] is None for report in runs.values() for c in report["calls"]) else 1
 
 
 if __name__ == "__main__":

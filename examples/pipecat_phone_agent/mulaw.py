@@ -33,3 +33,9 @@ def decode(data: bytes) -> np.ndarray:
 def silence(seconds: float) -> bytes:
     """μ-law silence of the given length."""
     return bytes([SILENCE]) * round(seconds * RATE)
+
+
+def voiced_until(data: bytes, floor: int = 328) -> float:
+    """Seconds from the start of `data` to the end of its last sample above `floor` (-40 dBFS): where speech ends."""
+    loud = np.flatnonzero(np.abs(decode(data).astype(np.int32)) > floor)
+    return (loud[-1] + 1) / RATE if loud.size else 0.0

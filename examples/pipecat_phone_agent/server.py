@@ -3,7 +3,8 @@
     python -m examples.pipecat_phone_agent.server --help
 
 Endpoints: `GET|POST /twiml` (point the Twilio number's voice webhook here), `WS /ws` (the media
-stream the TwiML connects), `GET /stats` (calls and engine counters, e.g. for load balancing).
+stream the TwiML connects), `GET /stats` (calls and engine counters, e.g. for load balancing),
+`GET /calls/{stream_sid}/moments` (when each latency stage of the call's turns happened).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def create_app(config: AgentConfig) -> FastAPI:
     @app.get("/stats")
     async def stats() -> dict:
         return {"calls": dict(calls), "engine": resources.engine.stats()}
+
+    @app.get("/calls/{stream_sid}/moments")
+    async def moments(stream_sid: str) -> list:
+        """[monotonic seconds, stage] of the call's latency stages (latency.py), for the demo's waterfall."""
+        return resources.moments.get(stream_sid, [])
 
     return app
 

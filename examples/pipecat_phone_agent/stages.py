@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Any
+
 from pipecat.processors.frame_processor import FrameProcessor
 
 from orpheus_tts_plugin import OrpheusEngine
@@ -15,10 +18,19 @@ from .offline_stt import PocketsphinxRecognizer, PocketsphinxSTTService
 class AgentResources:
     """Process-wide resources, loaded once at server start and shared by every call."""
 
+    KEPT_CALLS = 256  # calls whose latency moments /calls/{stream_sid}/moments still answers
+
     def __init__(self, config: AgentConfig):
         self.config = config
-        self.engine = OrpheusEngine.shared(config.engine)
+        self.engine = _remote(config.tts_url) if config.tts_url else OrpheusEngine.shared(config.engine)
         self.recognizer = PocketsphinxRecognizer(config.stt_workers) if config.stt == "pocketsphinx" else None
+        self.moments: OrderedDict[str, list[Any]] = OrderedDict()
+
+    def keep_moments(self, stream_sid: str, moments: list[Any]) -> None:
+        """Hold on to a call's latency moments (the list fills as the call goes on), the latest calls only."""
+        self.moments[stream_sid] = moments
+        while len(self.moments) > self.KEPT_CALLS:
+            self.moments.popitem(last=False)
 
     async def start(self) -> None:
         """Load the engine (and the offline recognizer) before the first call arrives."""
@@ -51,3 +63,10 @@ class AgentResources:
         """This call's voice, speaking through the shared engine."""
         settings = OrpheusTTSService.Settings(voice=self.config.voice, max_tokens=self.config.max_tokens)
         return OrpheusTTSService(engine=self.engine, settings=settings)
+
+
+def _remote(url: str) -> OrpheusEngine:
+    """The process's RemoteEngine for an `orpheus-tts serve` URL: the engine's interface, over one socket."""
+    from orpheus_tts_plugin import RemoteEngine
+
+    return RemoteEngine.shared(url)  # type: ignore[return-value]

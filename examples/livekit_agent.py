@@ -2,7 +2,9 @@
 
 The worker runs each job in a thread of its own process (thread job executor), so all jobs reach the
 same `OrpheusEngine`, and it reports the engine's load to the LiveKit server, which sends new calls
-to less busy workers. STT and LLM go through LiveKit Inference; VAD runs locally.
+to less busy workers. With ORPHEUS_SERVER_URL set (an `orpheus-tts serve` on this machine or another),
+the worker keeps LiveKit's default process per job instead, every job reaching that one engine server
+and the server's load reported. STT and LLM go through LiveKit Inference; VAD runs locally.
 
     pip install "orpheus-tts-plugin[livekit]"
     python examples/livekit_agent.py download-files     # Orpheus + SNAC weights into the HF cache
@@ -10,7 +12,8 @@ to less busy workers. STT and LLM go through LiveKit Inference; VAD runs locally
     python examples/livekit_agent.py start              # or: python examples/livekit_agent.py dev
 
 Settings (environment): ORPHEUS_MODEL (hub id or local dir), ORPHEUS_BACKEND (hf | trtllm | vllm |
-remote), ORPHEUS_VOICE, ORPHEUS_MAX_CALLS (calls one worker may hold), ORPHEUS_LOAD_THRESHOLD,
+remote), ORPHEUS_SERVER_URL (ws://HOST:8880 of `orpheus-tts serve`; then no model loads here),
+ORPHEUS_VOICE, ORPHEUS_MAX_CALLS (calls one worker may hold), ORPHEUS_LOAD_THRESHOLD,
 ORPHEUS_FALLBACK_TTS (a LiveKit Inference TTS, e.g. cartesia/sonic-3, that speaks while Orpheus is
 stalled, full, loading or failed: docs/livekit.md, "Timeouts, retries and failover").
 """
@@ -39,6 +42,7 @@ ENGINE = EngineConfig(
     model=os.environ.get("ORPHEUS_MODEL", EngineConfig.model),
     backend=os.environ.get("ORPHEUS_BACKEND", EngineConfig.backend),
 )
+SERVER_URL = os.environ.get("ORPHEUS_SERVER_URL")
 VOICE = os.environ.get("ORPHEUS_VOICE", "tara")
 FALLBACK_TTS = os.environ.get("ORPHEUS_FALLBACK_TTS")
 # A stalled engine is noticed 2 s after the request or the last chunk (healthy first audio on a GPU: ~0.2 s).
@@ -49,15 +53,21 @@ INSTRUCTIONS = (
 )
 
 
+def engine() -> orpheus.SpeechEngine:
+    """This process's engine: the shared in-process one, or its connection to the engine server."""
+    return orpheus.remote_engine(SERVER_URL) if SERVER_URL else orpheus.prewarm_engine(ENGINE)
+
+
 def prewarm(proc: JobProcess) -> None:
-    """Runs in every job thread before its job: start loading the shared engine (once) and load a VAD."""
-    orpheus.prewarm_engine(ENGINE)  # returns at once; the model loads in the background
+    """Runs before each job (in its thread, or its process): start loading or connecting, and load a VAD."""
+    engine()  # returns at once; the model loads (or the connection opens) in the background
     proc.userdata["vad"] = inference.VAD()
 
 
 server = AgentServer(
     **orpheus.server_options(
-        ENGINE,
+        None if SERVER_URL else ENGINE,
+        server_url=SERVER_URL,
         max_jobs=int(os.environ.get("ORPHEUS_MAX_CALLS", "64")),
         load_threshold=float(os.environ.get("ORPHEUS_LOAD_THRESHOLD", "0.8")),
     ),
@@ -67,7 +77,7 @@ server = AgentServer(
 
 async def voice() -> tts.TTS:
     """Orpheus, failing over at once to FALLBACK_TTS if set; without one, wait for the model to load first."""
-    speaker = orpheus.TTS(config=ENGINE, voice=VOICE)
+    speaker = orpheus.TTS(engine=engine(), voice=VOICE)
     if FALLBACK_TTS:  # no retries of the same TTS: fail over on the first timeout or error
         return tts.FallbackAdapter([speaker, inference.TTS(FALLBACK_TTS)], max_retry_per_tts=0)
     await speaker.engine.start()  # nothing else could speak meanwhile (the worker's first call only)

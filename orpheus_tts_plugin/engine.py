@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -64,6 +64,42 @@ class AudioChunk:
     @property
     def num_samples(self) -> int:
         return len(self.pcm) // 2
+
+
+class SpeechEngine(Protocol):
+    """What the framework adapters use of an engine: `OrpheusEngine` in process, `RemoteEngine` over a socket."""
+
+    config: Any  # .model and .backend name what it runs
+    spec: ModelSpec
+
+    def synthesize(
+        self, text: str, *, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: Any
+    ) -> AsyncGenerator[AudioChunk, None]: ...
+
+    def check_options(
+        self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: Any
+    ) -> tuple[str | None, SamplingParams]: ...
+
+    def sentences(self, text: str) -> list[str]: ...
+
+    async def start(self) -> None: ...
+
+    def prewarm(self) -> None: ...
+
+    @property
+    def started(self) -> bool: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    @property
+    def load(self) -> float: ...
+
+    async def aclose(self) -> None: ...
 
 
 class _Stream:

@@ -3,7 +3,9 @@
 Every job of a worker that runs with the thread job executor (`JobExecutorType.THREAD`) lives in the
 worker process, each on its own event loop in its own thread; `OrpheusEngine` serves all of them at
 once, so one GPU engine speaks for every call. `server_options()` gives the `AgentServer` keyword
-arguments for that set-up (thread executor, a `load_fnc` reporting the engine's load, a threshold).
+arguments for that set-up (thread executor, a `load_fnc` reporting the engine's load, a threshold), or,
+with `server_url`, for LiveKit's default process-per-job executor, every job reaching one `orpheus-tts serve`
+through `remote_engine(url)` (a `RemoteEngine`: one connection per job process).
 
 Importing this module registers `OrpheusPlugin` (whose `download_files()` fetches the weights) and
 does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig, SamplingOverrides
-from .engine import AudioChunk, OrpheusEngine
+from .engine import AudioChunk, OrpheusEngine, SpeechEngine
 from .errors import (
     EngineClosedError,
     EngineError,
@@ -73,7 +75,9 @@ __all__ = [
     "download_files",
     "engine_load_fnc",
     "prewarm_engine",
+    "remote_engine",
     "server_options",
+    "SpeechEngine",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,16 +87,17 @@ _used_configs: dict[EngineConfig, None] = {}  # configs this process builds engi
 _used_lock = threading.Lock()
 
 
-def _engine_for(engine: OrpheusEngine | EngineConfig | None) -> OrpheusEngine:
-    """The given engine, or the process-wide engine of a config (default config if None)."""
-    if isinstance(engine, OrpheusEngine):
-        config, result = engine.config, engine
+def _engine_for(engine: SpeechEngine | EngineConfig | None) -> SpeechEngine:
+    """The given engine (in process or a RemoteEngine), or the process-wide engine of a config (default if None)."""
+    if engine is not None and not isinstance(engine, EngineConfig):
+        config = engine.config
     else:
         config = engine or EngineConfig()
-        result = OrpheusEngine.shared(config)
-    with _used_lock:
-        _used_configs[config] = None
-    return result
+        engine = OrpheusEngine.shared(config)
+    if isinstance(config, EngineConfig):  # a RemoteEngine's weights live on its server
+        with _used_lock:
+            _used_configs[config] = None
+    return engine
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class _Options:
     voice: str | None = None
     sampling: SamplingOverrides = SamplingOverrides()
 
-    def checked(self, engine: OrpheusEngine) -> _Options:
+    def checked(self, engine: SpeechEngine) -> _Options:
         """Raise TypeError/ValueError now (not mid-call) for a voice or sampling value the engine would refuse."""
         engine.check_options(self.voice, self.sampling)
         return self
@@ -114,7 +119,7 @@ class TTS(tts.TTS):
     def __init__(
         self,
         *,
-        engine: OrpheusEngine | None = None,
+        engine: SpeechEngine | None = None,
         config: EngineConfig | None = None,
         voice: str | None = None,
         sampling: SamplingOverrides | None = None,
@@ -145,7 +150,7 @@ class TTS(tts.TTS):
         self._pace = Pace(word_weights)  # the voice's speaking rate, learnt from every sentence this TTS speaks
 
     @property
-    def engine(self) -> OrpheusEngine:
+    def engine(self) -> SpeechEngine:
         return self._engine
 
     @property
@@ -202,7 +207,7 @@ class _Segment:
 
 
 async def _speak(
-    engine: OrpheusEngine, text: str, opts: _Options, emitter: tts.AudioEmitter, timeout: float, segment: _Segment
+    engine: SpeechEngine, text: str, opts: _Options, emitter: tts.AudioEmitter, timeout: float, segment: _Segment
 ) -> None:
     """Push the engine's audio for `text` and its timed words into `emitter`, no chunk later than `timeout`.
 
@@ -340,35 +345,37 @@ class SynthesizeStream(tts.SynthesizeStream):
 
 
 # ---------------------------------------------------------------------------------------------- worker set-up
-def prewarm_engine(engine: OrpheusEngine | EngineConfig | None = None) -> OrpheusEngine:
-    """Start loading an engine (or a config's process-wide engine) on a daemon thread; returns at once.
+def prewarm_engine(engine: SpeechEngine | EngineConfig | None = None) -> SpeechEngine:
+    """Start loading an engine (a config's process-wide engine, or connecting a RemoteEngine); returns at once.
 
     Call it from `setup_fnc`: loading a 3B model outlasts the worker's initialize timeout. A synthesis
-    made before loading ends waits for it, up to `conn_options.timeout` per attempt.
+    made before loading ends waits for it, up to `conn_options.timeout` per attempt. A failed load is
+    logged by the engine and re-raised by every later synthesis.
     """
     engine = _engine_for(engine)
-    if not engine.started:
-        threading.Thread(target=_start_and_log, args=(engine,), name="orpheus-prewarm", daemon=True).start()
+    engine.prewarm()
     return engine
 
 
-def _start_and_log(engine: OrpheusEngine) -> None:
-    try:
-        asyncio.run(engine.start())
-    except Exception:  # every later synthesis re-raises it; log it now too
-        logger.exception("Orpheus engine failed to start")
+def remote_engine(url: str) -> SpeechEngine:
+    """This process's RemoteEngine for an `orpheus-tts serve` URL (one connection per process, made at once)."""
+    from .server.client import RemoteEngine
+
+    engine = RemoteEngine.shared(url)
+    engine.prewarm()
+    return engine
 
 
 def engine_load_fnc(
-    engine: OrpheusEngine | EngineConfig | None = None, *, max_jobs: int | None = None
+    engine: SpeechEngine | EngineConfig | None = None, *, max_jobs: int | None = None
 ) -> Callable[[AgentServer], float]:
     """A worker `load_fnc`: the engine's stream load (fraction of `max_streams` in use), in [0, 1].
 
     A call holds an engine stream only while it speaks, so give `max_jobs` (calls one worker can
     serve) to report `active jobs / max_jobs` when that is higher. A failed or closed engine serves
-    nothing more, so the worker then reports itself full and LiveKit sends new calls elsewhere.
-    Meaningful with the thread job executor only: with process executors each job has its own
-    engine and this one stays idle.
+    nothing more, so the worker then reports itself full and LiveKit sends new calls elsewhere. For a
+    RemoteEngine the load is the server's own (1.0 while it cannot be reached), so workers of the
+    process executor report the shared engine server's load.
     """
     engine = _engine_for(engine)
     if max_jobs is not None and max_jobs < 1:
@@ -384,12 +391,27 @@ def engine_load_fnc(
 
 
 def server_options(
-    engine: OrpheusEngine | EngineConfig | None = None,
+    engine: SpeechEngine | EngineConfig | None = None,
     *,
+    server_url: str | None = None,
     load_threshold: float = 0.8,
     max_jobs: int | None = None,
 ) -> dict[str, Any]:
-    """`AgentServer(**server_options(config), ...)` keyword arguments for one engine shared by all jobs."""
+    """`AgentServer(**server_options(...), ...)` keyword arguments for one engine shared by all jobs.
+
+    In-process (the default): the thread job executor, every job on this process's engine. With
+    `server_url` (an `orpheus-tts serve` on this machine or another): LiveKit's default process executor,
+    each job process reaching the server through `remote_engine(server_url)`, and the load reported to
+    LiveKit is the server's.
+    """
+    if server_url is not None:
+        if engine is not None:
+            raise ValueError("pass either engine or server_url, not both")
+        return {
+            "job_executor_type": JobExecutorType.PROCESS,
+            "load_fnc": engine_load_fnc(remote_engine(server_url), max_jobs=max_jobs),
+            "load_threshold": load_threshold,
+        }
     return {
         "job_executor_type": JobExecutorType.THREAD,
         "load_fnc": engine_load_fnc(engine, max_jobs=max_jobs),

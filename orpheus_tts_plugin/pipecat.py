@@ -27,7 +27,7 @@ from dataclasses import field, fields, make_dataclass
 from typing import Any
 
 from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
-from .engine import AudioChunk, OrpheusEngine
+from .engine import AudioChunk, OrpheusEngine, SpeechEngine
 from .errors import (
     EngineClosedError,
     EngineError,
@@ -131,7 +131,7 @@ class OrpheusTTSService(TTSService):
     def __init__(
         self,
         *,
-        engine: OrpheusEngine | None = None,
+        engine: SpeechEngine | None = None,
         engine_config: EngineConfig | None = None,
         settings: OrpheusTTSSettings | None = None,
         word_weights: Weights = DEFAULT_WEIGHTS,
@@ -177,7 +177,7 @@ class OrpheusTTSService(TTSService):
         """Ignored (the base writes it; see the getter)."""
 
     @property
-    def engine(self) -> OrpheusEngine:
+    def engine(self) -> SpeechEngine:
         """The engine this service speaks through (possibly shared with other services)."""
         return self._engine
 

@@ -91,26 +91,7 @@ async def test_a_pipecat_settings_update_is_checked_by_the_remote_engine(
 
 
 # ---------------------------------------------------------------------------------------------- LiveKit
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="livekit._engine_for takes only an OrpheusEngine or an EngineConfig (issue 13, item 3)",
-)
-async def test_livekit_tts_takes_a_remote_engine(remote: RemoteEngine) -> None:
-    orpheus.TTS(engine=remote)
-
-
-@pytest.fixture
-def livekit_passes_engines_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one change LiveKit's adapter needs: `_engine_for` returns an engine object it is given as it is."""
-    original = orpheus._engine_for
-    monkeypatch.setattr(orpheus, "_engine_for", lambda e: e if isinstance(e, RemoteEngine) else original(e))
-
-
-@pytest.mark.usefixtures("livekit_passes_engines_through")
-async def test_livekit_tts_speaks_through_a_remote_engine_once_engine_for_passes_it_through(
-    served: ServerThread, remote: RemoteEngine
-) -> None:
+async def test_livekit_tts_speaks_through_a_remote_engine(served: ServerThread, remote: RemoteEngine) -> None:
     tts = orpheus.TTS(engine=remote, voice="zoe", seed=7)
     events = [ev async for ev in tts.synthesize(TEXT, conn_options=APIConnectOptions(max_retry=0))]
     got = np.frombuffer(b"".join(ev.frame.data.tobytes() for ev in events), dtype="<i2")

@@ -108,6 +108,18 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _reserve_recompiles(entries: int) -> None:
+    """Raise dynamo's per-function recompile limit by one entry per bucket of a new compiled decoder.
+
+    Every decoder compiles the same `_step` code, and dynamo keeps at most `recompile_limit` (8) entries
+    per code object, then silently runs the rest eagerly: a second engine in one process (a restart, a
+    second voice) or a decoder with more buckets would otherwise lose compilation for some buckets.
+    """
+    config = torch._dynamo.config
+    config.recompile_limit += entries
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * config.recompile_limit)
+
+
 class StreamingDecoder:
     """Exact streaming SNAC decoding of up to `max_streams` utterances at once, in bucketed batched calls.
 
@@ -149,7 +161,10 @@ class StreamingDecoder:
         self._free = list(range(max_streams - 1, -1, -1))  # slot max_streams is the padding rows' scratch
         self._pools = self._make_pools()
         self._cuda_graphs = compile if cuda_graphs is None else cuda_graphs  # CUDA only
-        self._step_fn: Callable[..., Tensor] = torch.compile(self._step) if compile else self._step
+        self._step_fn: Callable[..., Tensor] = self._step
+        if compile:
+            _reserve_recompiles(len(self.buckets()))
+            self._step_fn = torch.compile(self._step)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.calls = 0
         self.rows = 0

@@ -217,3 +217,13 @@ def test_the_compiled_decoder_decodes_what_the_eager_one_does(tiny) -> None:
     eager = _steady(StreamingDecoder(tiny, max_streams=2), frames)
     for a, b in zip(_steady(compiled, frames), eager):
         assert np.abs(np.concatenate(a).astype(int) - np.concatenate(b).astype(int)).max() <= 2
+
+
+def test_compiled_decoders_made_later_in_the_process_compile_every_bucket_too(test_model_dir: Path) -> None:
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["frames"])
+    for _ in range(3):  # a fresh SNAC each time, as an engine restarted in-process loads one
+        StreamingDecoder(load_snac(str(test_model_dir / "snac")), max_streams=2, compile=True).warm()
+    compiled = counters["frames"]["ok"] - before.get("ok", 0)
+    assert compiled >= 2 and compiled == counters["frames"]["total"] - before.get("total", 0)

@@ -72,9 +72,9 @@ async def metrics(url: str) -> dict[str, float]:
     return out
 
 
-async def idle(url: str) -> None:
-    """Return once the server runs no request."""
-    while (await metrics(url))["vllm:num_requests_running"] != 0:
+async def running(url: str, n: int) -> None:
+    """Return once the server's running-requests gauge reads `n` (it is set from each engine step's stats)."""
+    while (await metrics(url))["vllm:num_requests_running"] != n:
         await asyncio.sleep(0.05)
 
 
@@ -112,10 +112,10 @@ async def test_closing_the_stream_aborts_the_server_request_as_its_metrics_show(
     stream = backend.generate(request("long", 1500, temperature=1.0))
     for _ in range(3):
         assert await asyncio.wait_for(stream.__anext__(), GUARD_S)
-    assert (await metrics(url))["vllm:num_requests_running"] == 1
+    await asyncio.wait_for(running(url, 1), GUARD_S)
     await stream.aclose()
     assert stream.finish_reason == FinishReason.ABORTED
-    await asyncio.wait_for(idle(url), GUARD_S)
+    await asyncio.wait_for(running(url, 0), GUARD_S)
     settled = await metrics(url)
     await asyncio.sleep(0.5)
     after = await metrics(url)

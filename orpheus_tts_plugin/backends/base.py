@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..config import SamplingParams
 from ..mailbox import Mailbox
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,84 @@ class RequestCounts:
 
     def stats(self, name: str, **extra: Any) -> dict[str, Any]:
         return {"backend": name, **extra, "live_requests": self.live, **self.counts}
+
+
+class PumpedStream:
+    """A TokenStream fed by a task that reads another engine's per-step outputs into a mailbox (loop that made it).
+
+    For engines whose outputs carry `.finished` and `.outputs[0]` (TensorRT-LLM, vLLM). Subclasses say where a
+    step's new ids are (`_new_ids`) and how to abort (`_abort`); `aclose()` ends the stream at once whatever the
+    other engine then does, and the final output's trailing stop id is never delivered.
+    """
+
+    name = "pumped"
+    finish_reasons: dict[str, str] = {}  # the other engine's finish reasons → FinishReason
+
+    def __init__(self, req: GenerationRequest, outputs: Any, stop_ids: Sequence[int], counts: RequestCounts):
+        self.req = req
+        self.finish_reason: str | None = None
+        self._counts = counts
+        self._stop = frozenset(stop_ids)
+        self._box: Mailbox[list[int]] = Mailbox()
+        self._pump = asyncio.get_running_loop().create_task(self._run(outputs))
+
+    def _new_ids(self, completion: Any) -> list[int]:
+        """The ids one step added."""
+        raise NotImplementedError
+
+    async def _abort(self) -> None:
+        """Abort the request in the other engine."""
+        raise NotImplementedError
+
+    def __aiter__(self) -> PumpedStream:
+        return self
+
+    async def __anext__(self) -> list[int]:
+        return await self._box.get()
+
+    async def aclose(self) -> None:
+        """End the stream now, stop the pump and abort the request in the other engine."""
+        if self.finish_reason is not None:
+            return
+        self._finish(FinishReason.ABORTED)
+        self._box.clear()
+        self._pump.cancel()
+        try:
+            await self._abort()
+        except Exception:  # the request may have finished, or the engine shut down, meanwhile
+            log.debug("%s abort of %s failed", self.name, self.req.request_id, exc_info=True)
+
+    async def _run(self, outputs: Any) -> None:
+        try:
+            async for out in outputs:
+                completion = out.outputs[0]
+                ids = list(self._new_ids(completion))
+                if out.finished:
+                    if ids and ids[-1] in self._stop:
+                        ids.pop()
+                    self._push(ids, self.finish_reasons.get(completion.finish_reason, FinishReason.ERROR))
+                    return
+                self._push(ids, None)
+            self._push([], FinishReason.ERROR)  # ended without a finished output
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the consumer
+            error = BackendError(f"{self.name} request {self.req.request_id} failed: {exc}")
+            self._push([], FinishReason.ERROR, error)
+
+    def _push(self, ids: list[int], finish: str | None, error: BaseException | None = None) -> None:
+        if self.finish_reason is not None:  # closed meanwhile
+            return
+        if ids:
+            self._box.put(ids)
+            self._counts.add_tokens(len(ids))
+        if finish is not None:
+            self._finish(finish, error)
+
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
+        self.finish_reason = reason
+        self._counts.ended(reason)
+        self._box.end(error)
 
 
 class _StepStream:

@@ -19,10 +19,9 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from ..mailbox import Mailbox
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop
-from .vllm import checkpoint_json, checkpoint_quantization
+from .base import BackendError, FinishReason, GenerationRequest, PumpedStream, RequestCounts, check_loop
+from .checkpoint import checkpoint_json, checkpoint_quantization
 
 log = logging.getLogger(__name__)
 
@@ -230,68 +229,23 @@ class TrtllmBackend:
             await asyncio.to_thread(llm.shutdown)
 
 
-class TrtllmStream:
+class TrtllmStream(PumpedStream):
     """New ids of one TensorRT-LLM request (`token_ids_diff` per step), pumped by a task into a mailbox.
 
     `aclose()` ends the mailbox itself and calls `result.abort()`: TensorRT-LLM sends no final output for a request
     aborted while it still waits in the executor's queue, so a consumer waiting for one would wait forever.
     """
 
+    name = "trtllm"
+    finish_reasons = _FINISH
+
     def __init__(self, req: GenerationRequest, result: Any, stop_ids: tuple[int, ...], counts: RequestCounts):
-        self.req = req
         self.result = result
-        self.finish_reason: str | None = None
-        self._counts = counts
-        self._stop = frozenset(stop_ids)
-        self._box: Mailbox[list[int]] = Mailbox()
-        self._pump = asyncio.get_running_loop().create_task(self._run())
+        super().__init__(req, result, stop_ids, counts)
 
-    def __aiter__(self) -> TrtllmStream:
-        return self
+    def _new_ids(self, completion: Any) -> list[int]:
+        return completion.token_ids_diff
 
-    async def __anext__(self) -> list[int]:
-        return await self._box.get()
-
-    async def aclose(self) -> None:
-        """Abort the request in TensorRT-LLM (dropping the iterator alone does not) and end the stream now."""
-        if self.finish_reason is not None:
-            return
-        self._finish(FinishReason.ABORTED)
-        self._box.clear()
-        self._pump.cancel()
-        try:
-            self.result.abort()
-        except Exception:  # the request may have finished meanwhile
-            log.debug("trtllm abort of %s failed", self.req.request_id, exc_info=True)
-
-    async def _run(self) -> None:
-        """Move each step's new ids into the mailbox; the final output's trailing end id is dropped."""
-        try:
-            async for out in self.result:
-                completion = out.outputs[0]
-                ids = list(completion.token_ids_diff)
-                if out.finished:
-                    if ids and ids[-1] in self._stop:
-                        ids.pop()
-                    self._push(ids, _FINISH.get(completion.finish_reason, FinishReason.ERROR))
-                    return
-                self._push(ids, None)
-            self._push([], FinishReason.ERROR)  # ended without a finished output
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported to the consumer
-            self._push([], FinishReason.ERROR, BackendError(f"trtllm request {self.req.request_id} failed: {exc}"))
-
-    def _push(self, ids: list[int], finish: str | None, error: BaseException | None = None) -> None:
-        if self.finish_reason is not None:  # closed meanwhile
-            return
-        if ids:
-            self._box.put(ids)
-            self._counts.add_tokens(len(ids))
-        if finish is not None:
-            self._finish(finish, error)
-
-    def _finish(self, reason: str, error: BaseException | None = None) -> None:
-        self.finish_reason = reason
-        self._counts.ended(reason)
-        self._box.end(error)
+    async def _abort(self) -> None:
+        """Dropping the iterator alone does not abort in TensorRT-LLM."""
+        self.result.abort()

@@ -8,17 +8,14 @@ What has run of it and where (vLLM's CPU build, for real, in CI): docs/backends.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
-from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ..mailbox import Mailbox
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop
+from .base import FinishReason, GenerationRequest, PumpedStream, RequestCounts, check_loop
+from .checkpoint import CheckpointQuantization, checkpoint_quantization
 
 log = logging.getLogger(__name__)
 
@@ -78,60 +75,6 @@ def import_vllm() -> SimpleNamespace:
 
 
 # ---- what a checkpoint says about its quantisation (shared with the trtllm backend) ----
-
-
-@dataclass(frozen=True)
-class CheckpointQuantization:
-    """A checkpoint's own quantisation: `method` (e.g. "modelopt") and calibrated KV cache (e.g. "FP8"), or None."""
-
-    method: str | None
-    kv_cache: str | None
-
-
-def checkpoint_json(model: str, name: str, *, download: bool = False) -> dict[str, Any] | None:
-    """File `name` of a local checkpoint or a hub one (cache, or fetched if `download`); None if it has none.
-
-    LookupError if it cannot be known: a hub id not in the cache (and not fetched), offline, or unreachable.
-    """
-    root = Path(model)
-    if root.is_dir():
-        path = root / name
-        return json.loads(path.read_text()) if path.is_file() else None
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-
-    cached = try_to_load_from_cache(model, name)
-    if isinstance(cached, str):
-        return json.loads(Path(cached).read_text())
-    if cached is not None:  # the cache records that the repo has no such file
-        return None
-    if not download:
-        raise LookupError(f"{model}/{name} is not in the Hugging Face cache")
-    try:
-        return json.loads(Path(hf_hub_download(model, name)).read_text())
-    except EntryNotFoundError as exc:
-        if isinstance(exc, LocalEntryNotFoundError):  # offline and not cached: unknown, not absent
-            raise LookupError(f"{model}/{name} is not in the Hugging Face cache (offline)") from exc
-        return None
-    except Exception as exc:  # noqa: BLE001 - unreachable, gated, no such repo: unknown
-        raise LookupError(f"cannot read {model}/{name}: {exc}") from exc
-
-
-def checkpoint_quantization(model: str, *, download: bool = False) -> CheckpointQuantization | None:
-    """The checkpoint's quantisation from config.json and hf_quant_config.json; None if they cannot be read."""
-    try:
-        config = checkpoint_json(model, "config.json", download=download)
-    except (LookupError, OSError, ValueError):
-        return None
-    try:  # ModelOpt writes quantization_config into config.json too: this file only adds detail
-        modelopt = checkpoint_json(model, "hf_quant_config.json", download=download)
-    except (LookupError, OSError, ValueError):
-        modelopt = None
-    qc = (config or {}).get("quantization_config") or {}
-    quant = (modelopt or {}).get("quantization") or {}
-    method = qc.get("quant_method") or (((modelopt or {}).get("producer") or {}).get("name") if modelopt else None)
-    kv = quant.get("kv_cache_quant_algo") or qc.get("kv_cache_quant_algo") or qc.get("kv_cache_scheme")
-    return CheckpointQuantization(method=method, kv_cache=str(kv) if kv else None)
 
 
 def is_prequantized(model: str) -> bool:
@@ -312,8 +255,11 @@ def online_fp8_name() -> str:
     return "fp8_per_tensor" if "fp8_per_tensor" in QUANTIZATION_METHODS else "fp8"
 
 
-class VllmStream:
-    """New ids of one vLLM request. A task pumps vLLM's generator, so `aclose()` can abort from any task."""
+class VllmStream(PumpedStream):
+    """New ids of one vLLM request (delta outputs), pumped by a task, so `aclose()` aborts from any task."""
+
+    name = "vllm"
+    finish_reasons = _FINISH
 
     def __init__(
         self,
@@ -324,63 +270,18 @@ class VllmStream:
         counts: RequestCounts,
         live: set[VllmStream],
     ):
-        self.req = req
-        self.finish_reason: str | None = None
         self._engine = engine
-        self._counts = counts
-        self._live = live
-        self._stop = frozenset(stop_ids)
-        self._box: Mailbox[list[int]] = Mailbox()
+        self._live = live  # the backend's open streams, aborted before a shutdown
         live.add(self)
-        self._pump = asyncio.get_running_loop().create_task(self._run(outputs))
+        super().__init__(req, outputs, stop_ids, counts)
 
-    def __aiter__(self) -> VllmStream:
-        return self
+    def _new_ids(self, completion: Any) -> list[int]:
+        return completion.token_ids
 
-    async def __anext__(self) -> list[int]:
-        return await self._box.get()
-
-    async def aclose(self) -> None:
-        """Abort the request in vLLM: stop the pump (vLLM aborts on cancel) and `await engine.abort(id)`."""
-        if self.finish_reason is not None:
-            return
-        self._finish(FinishReason.ABORTED)
-        self._box.clear()
-        self._pump.cancel()
-        try:
-            await self._engine.abort(self.req.request_id)
-        except Exception:  # the engine may have finished or shut down meanwhile
-            log.debug("vllm abort of %s failed", self.req.request_id, exc_info=True)
-
-    async def _run(self, outputs: Any) -> None:
-        """Move each delta output into the mailbox; the last one's trailing stop id is dropped."""
-        try:
-            async for out in outputs:
-                completion = out.outputs[0]
-                ids = list(completion.token_ids)
-                if out.finished:
-                    if ids and ids[-1] in self._stop:
-                        ids.pop()
-                    self._push(ids, _FINISH.get(completion.finish_reason, FinishReason.ERROR))
-                    return
-                self._push(ids, None)
-            self._push([], FinishReason.ERROR)  # ended without a finished output
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported to the consumer
-            self._push([], FinishReason.ERROR, BackendError(f"vllm request {self.req.request_id} failed: {exc}"))
-
-    def _push(self, ids: list[int], finish: str | None, error: BaseException | None = None) -> None:
-        if self.finish_reason is not None:  # closed meanwhile
-            return
-        if ids:
-            self._box.put(ids)
-            self._counts.add_tokens(len(ids))
-        if finish is not None:
-            self._finish(finish, error)
+    async def _abort(self) -> None:
+        """Cancelling the pump already aborts in vLLM; `engine.abort` makes it certain and immediate."""
+        await self._engine.abort(self.req.request_id)
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
-        self.finish_reason = reason
-        self._counts.ended(reason)
+        super()._finish(reason, error)
         self._live.discard(self)
-        self._box.end(error)

@@ -311,7 +311,11 @@ class RemoteEngine:
         while not self._closed:
             try:
                 conn = await Connection.open(
-                    self.config.url, ssl=self._ssl, timeout_s=self._connect_timeout_s, on_status=self._on_status
+                    self.config.url,
+                    ssl=self._ssl,
+                    timeout_s=self._connect_timeout_s,
+                    on_status=self._on_status,
+                    on_close=self._on_close,
                 )
             except EngineError as exc:
                 self._last_error = str(exc)
@@ -320,9 +324,7 @@ class RemoteEngine:
                 continue
             delay = first
             self._adopt(conn)
-            self._last_error = await conn.closed
-            self._conn = None
-            self._up.clear()
+            await conn.closed
 
     def _adopt(self, conn: Connection) -> None:
         """A new connection: take the server's voices and sampling defaults, and let waiting callers in."""
@@ -338,6 +340,12 @@ class RemoteEngine:
 
     def _on_status(self, message: dict[str, Any]) -> None:
         self._status = message
+
+    def _on_close(self, reason: str) -> None:
+        """The connection closed: forget it before any of its calls hears of it (health and load say so)."""
+        self._last_error = reason
+        self._conn = None
+        self._up.clear()
 
     async def _wait_up(self, timeout_s: float) -> None:
         if self._conn is None and not self._closed:

@@ -76,15 +76,24 @@ class Connection:
     `open()` returns once the server's hello and first status have arrived.
 
     Every method runs on the loop that called `open()`. When the socket closes, every open stream
-    is ended with an EngineError at once, and `closed` resolves.
+    is ended with an EngineError at once, and `closed` resolves; `on_close` is called before the first
+    stream hears of it, so an owner's state is already "disconnected" when a caller sees the error.
     """
 
-    def __init__(self, ws: ClientConnection, hello: protocol.Hello, url: str, on_status: Callable[[dict], None] | None):
+    def __init__(
+        self,
+        ws: ClientConnection,
+        hello: protocol.Hello,
+        url: str,
+        on_status: Callable[[dict], None] | None,
+        on_close: Callable[[str], None] | None,
+    ):
         self.url = url
         self.hello = hello
         self.status: dict[str, Any] = {}  # the server's last `status` message
         self._ws = ws
         self._on_status = on_status
+        self._on_close = on_close
         self._sinks: dict[int, _Sink] = {}
         self._ids = itertools.count()
         self._stats: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -102,6 +111,7 @@ class Connection:
         ssl: ssl_module.SSLContext | None = None,
         timeout_s: float = 5.0,
         on_status: Callable[[dict], None] | None = None,
+        on_close: Callable[[str], None] | None = None,
     ) -> Connection:
         """Connect and wait for the server's hello; EngineError if it cannot be reached or is not a serve endpoint."""
         uri, path = endpoint(url)
@@ -138,7 +148,7 @@ class Connection:
             protocol.ProtocolError,
         ) as exc:
             raise EngineError(f"cannot connect to {url}: {type(exc).__name__}: {exc}") from exc
-        conn = cls(ws, hello, url, on_status)
+        conn = cls(ws, hello, url, on_status, on_close)
         conn.status = status
         return conn
 
@@ -257,11 +267,13 @@ class Connection:
                 fut.set_result(message["stats"])
 
     def _end_all(self, error: BaseException) -> None:
+        if not self.closed.done():
+            self.closed.set_result(str(error))
+            if self._on_close is not None:
+                self._on_close(str(error))
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
             sink.deliver(error)
         for fut in self._stats.values():
             if not fut.done():
                 fut.set_exception(error)
-        if not self.closed.done():
-            self.closed.set_result(str(error))

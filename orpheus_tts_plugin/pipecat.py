@@ -8,8 +8,8 @@ Contracts with Pipecat 1.14's `TTSService` (services/tts_service.py), each kept 
   reported at once as a permanent error.
 - A failed request is reported as one `ErrorFrame` and its context is closed at once
   (`_is_yielding_frames_synchronously`).
-- A context is refreshed while its request runs, so a first chunk later than `stop_frame_timeout_s`
-  never splits an utterance (`_keep_contexts_open`).
+- A context stays open while its request runs, so a first chunk later than `stop_frame_timeout_s`
+  never splits an utterance (`_next_audio_context_item`).
 - A context whose request failed with a reported error is not counted as a silent one
   (`_record_context_audio_outcome`): overload is transient, never a dead service.
 - Word timestamps (`push_text_frames=False`, `add_word_timestamps`): each word is one `TTSTextFrame` with
@@ -199,10 +199,7 @@ class OrpheusTTSService(TTSService):
         except EngineError as exc:  # a closed engine cannot load again
             await self._report_failure(exc)
             return
-        self._background = [
-            self.create_task(self._watch_engine_start(), name="engine_start"),
-            self.create_task(self._keep_contexts_open(), name="context_keepalive"),
-        ]
+        self._background = [self.create_task(self._watch_engine_start(), name="engine_start")]
 
     async def stop(self, frame: EndFrame) -> None:
         """Finish speaking what is queued (the base drains the audio contexts), then stop the helpers."""
@@ -233,20 +230,20 @@ class OrpheusTTSService(TTSService):
             return
         await self._call_event_handler("on_engine_ready")
 
-    async def _keep_contexts_open(self) -> None:
-        """Refresh the audio context of every running request a few times per `stop_frame_timeout_s`.
+    async def _next_audio_context_item(self, context_id: str) -> Any:
+        """The base's wait for a context's next item, renewed while that context's request still runs.
 
-        The base ends a context that receives nothing for `stop_frame_timeout_s` (3 s by default:
-        `_next_audio_context_item`) and puts later audio in a re-created context without a
-        TTSStartedFrame (`append_to_audio_context`); a keepalive restarts that wait
-        (`_refresh_audio_context`, as `create_context_id` does between the sentences of a turn). So a
-        first chunk that is late (engine loading, queued behind a full batch) leaves the utterance whole.
+        The base ends a context that receives nothing for `stop_frame_timeout_s` (3 s by default) and puts
+        later audio in a re-created context without a TTSStartedFrame (`append_to_audio_context`). A first
+        chunk can come later than that (engine loading, queued behind a full batch); the utterance stays
+        whole however late, and however busy the event loop. An end marker still ends the context at once.
         """
-        interval = max(self._stop_frame_timeout_s / 3, 0.01)
         while True:
-            await asyncio.sleep(interval)
-            for context_id in list(self._streams):
-                self._refresh_audio_context(context_id)
+            try:
+                return await self._audio_context_manager.get(context_id, timeout=self._stop_frame_timeout_s)
+            except TimeoutError:
+                if context_id not in self._streams:
+                    return None  # the base's rule: a context that goes quiet has ended
 
     async def _stop_background(self) -> None:
         tasks, self._background = self._background, []

@@ -74,7 +74,7 @@ def import_vllm() -> SimpleNamespace:
     )
 
 
-# ---- what a checkpoint says about its quantisation (shared with the trtllm backend) ----
+# ---- the checkpoint's own quantisation (read by checkpoint.py) ----
 
 
 def is_prequantized(model: str) -> bool:

@@ -91,6 +91,16 @@ class ChunkLike(Protocol):
     def num_samples(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class Span:
+    """A ChunkLike without the audio: where a piece of delivered audio lies (replaying timings offline)."""
+
+    start_sample: int
+    num_samples: int
+    utterance: int = 0
+    utterance_end: bool = False
+
+
 # ---------------------------------------------------------------------------------------------- weights
 def spoken_form(token: str) -> str:
     """The words a token is read as, for weighing only: numbers spelt out, symbols named, lower case."""

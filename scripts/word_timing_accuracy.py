@@ -37,6 +37,7 @@ from orpheus_tts_plugin.spec import SAMPLE_RATE  # noqa: E402
 from orpheus_tts_plugin.words import (  # noqa: E402
     DEFAULT_WEIGHTS,
     Pace,
+    Span,
     Weights,
     WordTimer,
     estimate,
@@ -190,12 +191,6 @@ class Espeak:
 
 
 # ---------------------------------------------------------------------------------------------- scoring
-@dataclass(frozen=True)
-class _Chunk:
-    start_sample: int
-    num_samples: int
-    utterance: int = 0
-    utterance_end: bool = False
 
 
 def full_errors(spoken: list[Spoken], weights: Weights) -> list[float]:
@@ -227,7 +222,7 @@ def incremental_errors(
         given = []
         for start in range(0, s.num_samples, CHUNK):
             n = min(CHUNK, s.num_samples - start)
-            words = timer.feed(_Chunk(start, n, utterance_end=start + n >= s.num_samples))
+            words = timer.feed(Span(start, n, utterance_end=start + n >= s.num_samples))
             if start + n < s.num_samples:
                 early += len(words)
             given += words

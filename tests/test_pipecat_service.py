@@ -60,7 +60,7 @@ from orpheus_tts_plugin.backends.base import GenerationRequest
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.pipecat import OrpheusTTSService
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from orpheus_tts_plugin.words import Pace, WordTimer
+from orpheus_tts_plugin.words import Pace, Span, WordTimer
 
 Settings = OrpheusTTSService.Settings
 TEXT = "Hello there, thanks for calling the test line today."
@@ -606,7 +606,7 @@ async def speak_and_interrupt(
     assert speaker.interrupted_at is not None
     played = speaker.played(speaker.interrupted_at)
     [message] = [m["content"] for m in context.get_messages() if m["role"] == "assistant"]
-    planned = WordTimer([REPLY], Pace()).feed(_Chunk(0, 60 * SAMPLE_RATE))
+    planned = WordTimer([REPLY], Pace()).feed(Span(0, 60 * SAMPLE_RATE))
     said = message.split()
     assert said == REPLY.split()[: len(said)], message  # the reply's own words, in order
     return said, [w.text for w in planned if w.start_s <= played]
@@ -637,13 +637,3 @@ async def test_after_a_stall_in_generation_the_words_still_wait_for_their_audio(
 
         said, played = await speak_and_interrupt(engine, stall_then_resume)
     assert len(played) >= 5 and abs(len(said) - len(played)) <= 1, (said, played)
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """The part of an AudioChunk a WordTimer reads."""
-
-    start_sample: int
-    num_samples: int
-    utterance: int = 0
-    utterance_end: bool = False

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from orpheus_tts_plugin.spec import SAMPLE_RATE
 from orpheus_tts_plugin.words import (
     DEFAULT_WEIGHTS,
     Pace,
+    Span,
     TimedWord,
     WordTimer,
     estimate,
@@ -30,27 +31,17 @@ REPO = Path(__file__).resolve().parents[1]
 FRAME = 2048
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """What WordTimer reads of an AudioChunk."""
-
-    start_sample: int
-    num_samples: int
-    utterance: int = 0
-    utterance_end: bool = False
-
-
-def chunks(lengths: list[int], size: int = FRAME) -> Iterator[Chunk]:
+def chunks(lengths: list[int], size: int = FRAME) -> Iterator[Span]:
     """A stream of sentences of `lengths` samples, in chunks of `size`, as the engine numbers them."""
     offset = 0
     for utterance, length in enumerate(lengths):
         for at in range(0, length, size):
             n = min(size, length - at)
-            yield Chunk(offset + at, n, utterance, at + n == length)
+            yield Span(offset + at, n, utterance, at + n == length)
         offset += length
 
 
-def feed_all(timer: WordTimer, stream: Iterator[Chunk]) -> list[tuple[int, list[TimedWord]]]:
+def feed_all(timer: WordTimer, stream: Iterator[Span]) -> list[tuple[int, list[TimedWord]]]:
     """(samples delivered, words given) after each chunk."""
     return [(c.start_sample + c.num_samples, timer.feed(c)) for c in stream]
 

@@ -13,11 +13,8 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,16 +25,11 @@ from orpheus_tts_plugin.backends.remote import CustomTokenText, RemoteBackend
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.spec import ENGLISH
+from tests.servers import free_port, run_server
 
 SPEC = ENGLISH
 BASE = SPEC.custom_token_base
 SERVER_START_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -67,28 +59,9 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "--device",
         "cpu",
     ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"transformers serve did not come up:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
+    with run_server(cmd, log_path, url, start_s=SERVER_START_S, env=env):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,16 +23,11 @@ import pytest
 from orpheus_tts_plugin import EngineError, EngineOverloadedError, OrpheusEngine, RemoteEngine
 from orpheus_tts_plugin.cli import build_parser
 from orpheus_tts_plugin.server.serve import engine_config
+from tests.servers import free_port
 
 PACES = {"fast": 0.0, "paced": 400.0}  # synthetic tokens/s a stream
 TEXT = "Hello there. How are you today?"
 HOLD_TOKENS = {"fast": 7000, "paced": 2000}  # a few seconds of one stream either way (decoding or generating)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_args(snac: Path, port: int, pace: str, *extra: str) -> list[str]:

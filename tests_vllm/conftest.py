@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests import servers
 
 # Before vLLM is imported anywhere: 1 GiB of KV cache (else vLLM sizes it from free memory), no usage reports.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -26,6 +24,7 @@ except ImportError:  # not the vLLM venv (bash scripts/setup_vllm.sh makes it): 
     collect_ignore_glob = ["test_*.py"]
 
 SERVER_START_S = 180
+free_port = servers.free_port
 ROOT = Path(__file__).resolve().parents[1]  # this checkout: the server imports the logits processor from it
 
 
@@ -39,12 +38,6 @@ def test_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def invalid_positions(ids: list[int], first: int = 128_266, eos: int = 128_258) -> int:
     """Ids not valid at their output index k: first + (k % 7) * 4096 + [0, 4096), or eos when k % 7 == 0."""
     bad = 0
@@ -55,36 +48,11 @@ def invalid_positions(ids: list[int], first: int = 128_266, eos: int = 128_258) 
 
 
 def run_server(cmd: list[str], log_path: Path, url: str) -> Iterator[subprocess.Popen]:
-    """Start `cmd` in its own process group, wait for GET url/health, yield it; SIGTERM the group at the end."""
+    """`tests.servers.run_server` with this checkout importable (the server loads the logits processor from it)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1", "PYTHONPATH": path}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not come up:\n{log_path.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+    with servers.run_server(cmd, log_path, url, start_s=SERVER_START_S, env=env) as proc:
         yield proc
-    finally:
-        _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (API server, engine core, worker), SIGKILL after 20 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 PYTHON = sys.executable

@@ -44,6 +44,8 @@ def test_the_extra_args_keys_match_what_the_backends_send() -> None:
     keys = {"orpheus_audio": 1, "orpheus_first_audio_token": 1, "orpheus_end_of_speech": 2}
     assert vllm_logits.extra_args(1, 2) == keys
     assert vllm_logits.FQCN == "orpheus_tts_plugin.backends.vllm_logits:OrpheusAudioLogitsProcessor"
+    defaults = SamplingParams(extra_args={"orpheus_audio": 1})  # its own copies of spec's ids (it imports no spec)
+    assert vllm_logits.audio_ids_of(defaults) == (ENGLISH.first_audio_token, ENGLISH.end_of_speech)
     for k in range(7):
         assert sorted(map(int, ENGLISH.allowed_ids(k % 7))) == expected(k)  # the processor's rule is spec's
 

@@ -80,7 +80,7 @@ def _add_weights(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    """`bench decoder | overhead | engine`, each with its own flags."""
+    """`bench decoder | overhead | host | layers | backend | engine`, each with its own flags."""
     from .tools.bench import engine as bench_engine
 
     bench = sub.add_parser("bench", help="report decoder and engine figures")
@@ -108,6 +108,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     host.add_argument("--no-compile", dest="compile", action="store_false", help="eager only")
     host.add_argument("--json", default=None)
     host.set_defaults(**_handler("tools.bench.host:main"))
+    lay = what.add_parser("layers", help="each decoder layer's ms per steady call beside its matmul (kernel cliffs)")
+    lay.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="SNAC checkpoint")
+    lay.add_argument("--rows", type=_ints, default=(1, 8), help="rows (streams) per call, e.g. 1,8")
+    lay.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    lay.add_argument("--calls", type=int, default=20, help="timed calls per layer")
+    lay.add_argument("--json", default=None)
+    lay.set_defaults(**_handler("tools.bench.layers:main"))
     back = what.add_parser("backend", help="tokens/s of a backend's decode step by batch size, old vs new sampler")
     back.add_argument("--backend", default="hf", choices=("hf",))
     back.add_argument("--model", required=True, help="model dir or hub id")
@@ -158,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     else:  # the one-line error below says it all; the engine's own log lines would repeat it
         logging.getLogger(__package__).addHandler(logging.NullHandler())
     try:
+        if args.command == "bench":  # every figure is printed beside the host it was measured on
+            from .tools.bench.common import host_line
+
+            print(host_line(), flush=True)
         return _run(args.handler, args)
     except (EngineError, ImportError, FileNotFoundError, ValueError, TypeError) as exc:
         if args.verbose:

@@ -99,19 +99,24 @@ class SyntheticConfig:
 
     `frames_per_prompt_token` sets the utterance length from the prompt length (real speech
     is about 1.5 frames per text token); `fault_every` > 0 replaces every Nth id with a
-    non-audio id, to exercise the parser's recovery through the whole engine.
+    non-audio id, to exercise the parser's recovery through the whole engine. `endless` utterances
+    never stop by themselves (their frames repeat): they end only by an abort or a token cap, so a test of
+    cancellation never depends on how fast the host generates.
     """
 
     tokens_per_second: float = 0.0  # per stream; 0 = as fast as the thread can step
     frames_per_prompt_token: float = 1.5
     min_frames: int = 4
     fault_every: int = 0
+    endless: bool = False
 
     def __post_init__(self) -> None:
         check_number("tokens_per_second", self.tokens_per_second, lo=0.0)
         check_number("frames_per_prompt_token", self.frames_per_prompt_token, lo=0.0)
         check_int("min_frames", self.min_frames, 1)
         check_int("fault_every", self.fault_every, 0)
+        if not isinstance(self.endless, bool):
+            raise TypeError(f"endless must be a bool, got {type(self.endless).__name__}")
 
 
 BACKENDS = ("hf", "synthetic", "trtllm", "vllm", "remote")

@@ -48,6 +48,20 @@ class Step:
         return window
 
 
+def channel_mix(weight: Tensor, x: Tensor) -> Tensor:
+    """A kernel-1 convolution: weight (out, in) applied to x (B, in, L), as the faster of two GEMM layouts.
+
+    A large weight on short inputs (SNAC's first 768 → 1024 at 4 samples a frame) runs as one GEMM over all
+    rows' columns, reading the weight once: `F.conv1d` and a broadcast matmul read it once per row (6× slower
+    at 8 rows). Otherwise the per-row products are as fast and spare the two transposes.
+    """
+    b, c_in, n = x.shape
+    c_out = weight.shape[0]
+    if b == 1 or c_out * c_in < 32 * (c_in + c_out) * n:
+        return torch.matmul(weight, x)
+    return torch.mm(weight, x.transpose(0, 1).reshape(c_in, b * n)).view(c_out, b, n).transpose(0, 1)
+
+
 def _snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor) -> Tensor:
     """SNAC's snake activation with one temporary instead of four."""
     y = torch.mul(x, alpha).sin_()
@@ -55,8 +69,9 @@ def _snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor) -> Tensor:
 
 
 class Layer:
-    """One streaming layer; `per_frame` and `delay` describe its input."""
+    """One streaming layer; `in_channels`, `per_frame` and `delay` describe its input."""
 
+    in_channels: int
     per_frame: int
     delay: int
 
@@ -79,6 +94,7 @@ class _Snake(Layer):
     def __init__(self, snake: nn.Module, per_frame: int, delay: int):
         self.alpha = snake.alpha.detach()
         self.inv_alpha = (self.alpha + 1e-9).reciprocal()
+        self.in_channels = self.alpha.shape[1]
         self.per_frame, self.delay = per_frame, delay
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:
@@ -90,15 +106,25 @@ class _Pointwise(Layer):
 
     def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
         self.weight = conv.weight.detach().clone()
-        self.bias = None if conv.bias is None else conv.bias.detach().clone()
+        self.matrix = self.weight[:, :, 0].contiguous()
+        self.bias = None if conv.bias is None else conv.bias.detach().clone().view(1, -1, 1)
+        self.in_channels = conv.in_channels
         self.per_frame, self.delay = per_frame, delay
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:
-        return F.conv1d(x, self.weight, self.bias)
+        y = channel_mix(self.matrix, x)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class _Conv(Layer):
-    """A 'same'-padded convolution streamed with the last `context` inputs as state."""
+    """A 'same'-padded convolution streamed with the last `context` inputs as state.
+
+    A dense convolution with few output channels (SNAC's last, 64 → 1) runs as one GEMM per kernel tap on
+    shifted views of the window, summed: there `F.conv1d` is 2–4× slower than the same products
+    (docs/benchmarks.md); every other one runs as `F.conv1d`.
+    """
+
+    SHIFTED_MAX_OUT = 16  # at most this many output channels: shifted GEMMs
 
     def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
         self.weight = conv.weight.detach().clone()
@@ -107,31 +133,51 @@ class _Conv(Layer):
         self.context = self.dilation * (conv.kernel_size[0] - 1)
         if conv.stride[0] != 1 or 2 * conv.padding[0] != self.context:
             raise ValueError("streaming needs stride-1, symmetric 'same' padding")
-        self.channels = conv.in_channels
+        self.in_channels = conv.in_channels
         self.per_frame, self.delay = per_frame, delay
+        self.taps: list[Tensor] | None = None
+        if self.groups == 1 and conv.out_channels <= self.SHIFTED_MAX_OUT:
+            self.taps = [self.weight[:, :, k].contiguous() for k in range(conv.kernel_size[0])]
 
     @property
     def out_delay(self) -> int:
         return self.delay + self.context // 2
 
     def buffer_shapes(self) -> list[tuple[int, int]]:
-        return [(self.channels, self.context)]
+        return [(self.in_channels, self.context)]
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:
         window = step.extend(step.mask(x, self.per_frame, self.delay), self.context)
-        return F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
+        if self.taps is None:
+            return F.conv1d(window, self.weight, self.bias, dilation=self.dilation, groups=self.groups)
+        n, d = x.shape[-1], self.dilation
+        y = torch.matmul(self.taps[0], window[..., :n])
+        for k in range(1, len(self.taps)):
+            y.add_(torch.matmul(self.taps[k], window[..., k * d : k * d + n]))
+        return y if self.bias is None else y.add_(self.bias.view(1, -1, 1))
 
 
 class _ConvTranspose(Layer):
-    """SNAC's upsampling transposed convolution (kernel 2·stride), streamed with one input of state."""
+    """SNAC's upsampling transposed convolution (kernel 2·stride), streamed with one input of state.
+
+    Run as one matmul and an overlap-add, not `F.conv_transpose1d`: with kernel 2·stride each input
+    sample writes two output blocks of `stride` samples, so the output block j is the first half of
+    input j's product plus the second half of input j-1's. One GEMM of all the rows' inputs against the
+    weight (reshaped once here) reads the weight once a call, and takes the same time on every BLAS;
+    `conv_transpose1d` at SNAC's short steady inputs falls off a kernel cliff on some hosts
+    (131–141 ms a call for the first layer on an AMD EPYC, 24× its matmul; docs/benchmarks.md).
+    """
 
     def __init__(self, conv: nn.ConvTranspose1d, per_frame: int, delay: int):
-        self.weight = conv.weight.detach().clone()
-        self.bias = None if conv.bias is None else conv.bias.detach().clone()
         self.stride, self.pad = conv.stride[0], conv.padding[0]
         if conv.kernel_size[0] != 2 * self.stride or conv.output_padding[0] != 0 or conv.groups != 1:
             raise ValueError("streaming needs kernel 2·stride, even stride, no groups")
-        self.channels = conv.in_channels
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        weight = conv.weight.detach()  # (in, out, 2·stride)
+        # (out · 2·stride, in): row o·2s + k is output channel o at kernel tap k.
+        self.matrix = weight.reshape(self.in_channels, -1).t().contiguous()
+        bias = torch.zeros(self.out_channels) if conv.bias is None else conv.bias.detach()
+        self.bias = bias.to(weight).clone().view(1, -1, 1)
         self.per_frame, self.delay = per_frame, delay
 
     @property
@@ -143,25 +189,29 @@ class _ConvTranspose(Layer):
         return self.delay * self.stride + self.pad
 
     def buffer_shapes(self) -> list[tuple[int, int]]:
-        return [(self.channels, 1)]
+        return [(self.in_channels, 1)]
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:
         x = step.mask(x, self.per_frame, self.delay)
-        n = x.shape[-1]
-        window = step.extend(x, 1)
-        y = F.conv_transpose1d(window, self.weight, self.bias, stride=self.stride)
-        return y[..., self.stride : (n + 1) * self.stride]
+        b, n, s = x.shape[0], x.shape[-1], self.stride
+        window = step.extend(x, 1)  # (B, in, n + 1)
+        columns = window.transpose(0, 1).reshape(self.in_channels, b * (n + 1))
+        taps = torch.mm(self.matrix, columns).view(self.out_channels, 2 * s, b, n + 1)
+        blocks = taps[:, :s, :, 1:] + taps[:, s:, :, :-1]  # (out, s, B, n): output block j of each row
+        return blocks.permute(2, 0, 3, 1).reshape(b, self.out_channels, n * s).add_(self.bias)
 
 
 class _Noise(Layer):
     def __init__(self, noise: PositionalNoise, per_frame: int, delay: int):
         self.noise = noise
         self.weight = noise.linear.weight.detach().clone()
+        self.matrix = self.weight[:, :, 0].contiguous()
+        self.in_channels = self.weight.shape[1]
         self.per_frame, self.delay = per_frame, delay
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:
         pos = step.positions(self.per_frame, self.delay, x.shape[-1])
-        return F.conv1d(x, self.weight).mul_(self.noise.noise(pos).unsqueeze(1)).add_(x)
+        return channel_mix(self.matrix, x).mul_(self.noise.noise(pos).unsqueeze(1)).add_(x)
 
 
 class _Residual(Layer):
@@ -173,7 +223,7 @@ class _Residual(Layer):
         inner_delay = self.layers[1].out_delay
         self.layers += [_Snake(snake2, per_frame, inner_delay), _Pointwise(pointwise, per_frame, inner_delay)]
         self.lag = inner_delay - delay
-        self.channels = conv.in_channels
+        self.in_channels = conv.in_channels
         self.per_frame, self.delay = per_frame, delay
 
     @property
@@ -181,7 +231,7 @@ class _Residual(Layer):
         return self.delay + self.lag
 
     def buffer_shapes(self) -> list[tuple[int, int]]:
-        return [s for layer in self.layers for s in layer.buffer_shapes()] + [(self.channels, self.lag)]
+        return [s for layer in self.layers for s in layer.buffer_shapes()] + [(self.in_channels, self.lag)]
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:
         y = x
@@ -192,7 +242,7 @@ class _Residual(Layer):
 
 
 def build_layers(snac: nn.Module) -> list[Layer]:
-    """Streaming layers mirroring snac.decoder.model, sharing its weights."""
+    """Streaming layers mirroring snac.decoder.model, with copies of its weights."""
     from snac.layers import DecoderBlock, ResidualUnit, Snake1d
 
     layers: list[Layer] = []
@@ -221,7 +271,7 @@ def build_layers(snac: nn.Module) -> list[Layer]:
         elif isinstance(module, nn.Conv1d):
             add(_Pointwise(module, per_frame, delay) if module.kernel_size[0] == 1 else _Conv(module, per_frame, delay))
         elif isinstance(module, nn.Tanh):
-            continue  # applied at the end of _run
+            continue  # applied by the decoder's step, after the last layer
         else:
             raise ValueError(f"unexpected SNAC decoder layer {type(module).__name__} (deterministic noise not set?)")
     return layers

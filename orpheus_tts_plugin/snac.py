@@ -36,8 +36,23 @@ def load_snac(
         raise ValueError(f"{path_or_repo}: a SNAC decoder with local attention cannot stream exactly")
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
+    remove_weight_norm(model)
     make_noise_deterministic(model, noise_seed)
     return model
+
+
+def remove_weight_norm(model: nn.Module) -> None:
+    """Fold every weight-norm parametrisation into a plain weight (in place).
+
+    SNAC's layers are weight-normed; left parametrised, each forward (the quantizer's projections in every
+    decoder call among them) recomputes `g · v / ‖v‖`. The weights are fixed at inference, so fold them once.
+    """
+    from torch.nn.utils import parametrize
+
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            for name in list(module.parametrizations):
+                parametrize.remove_parametrizations(module, name, leave_parametrized=True)
 
 
 class PositionalNoise(nn.Module):

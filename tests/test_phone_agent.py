@@ -145,3 +145,13 @@ def test_four_simulated_calls_at_once_hear_the_agent_and_barge_in_clears_its_aud
             assert (w.getnchannels(), w.getframerate()) == (2, mulaw.RATE)
             agent = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")[1::2]
         assert np.count_nonzero(agent) > mulaw.RATE  # more than a second of agent audio heard
+
+
+def test_each_caller_line_is_one_turn_with_no_pause_the_vad_could_end_speech_at(caller_lines: dict[str, bytes]):
+    from examples.pipecat_phone_agent.config import TurnTaking
+    from examples.pipecat_phone_agent.make_fixtures import pause_runs
+
+    for name, audio in caller_lines.items():
+        pcm = mulaw.decode(audio).astype(np.float32) / 32768.0
+        longest = max((b - a for a, b in pause_runs(pcm, mulaw.RATE)), default=0) / mulaw.RATE
+        assert longest <= TurnTaking().vad_stop_secs / 2, (name, longest)

@@ -186,15 +186,15 @@ def test_callers_on_three_event_loops_in_three_threads_share_one_remote_engine(
 
 
 # ---------------------------------------------------------------------------------------------- cancellation
+def endless(config: EngineConfig) -> EngineConfig:
+    """Utterances that never end by themselves: a cancel or a drain always lands in the middle of generation,
+    however fast the host generates (a long but finite one was over before its first audio on slow hosts)."""
+    return replace(config, token_budget_base=1_000_000, synthetic=replace(config.synthetic, endless=True))
+
+
 @pytest.fixture(scope="module")
 def long_served(config: EngineConfig) -> Iterator[ServerThread]:
-    """Utterances of tens of thousands of tokens, so that a cancel always lands in the middle of generation."""
-    long = replace(
-        config,
-        token_budget_base=1_000_000,
-        synthetic=replace(config.synthetic, frames_per_prompt_token=64.0),
-    )
-    with serving(long) as srv:
+    with serving(endless(config)) as srv:
         yield srv
 
 
@@ -449,8 +449,7 @@ async def test_not_ready_while_the_engine_loads(synthetic_config: EngineConfig) 
 
 # ---------------------------------------------------------------------------------------------- drain, sockets
 async def test_a_drain_past_its_deadline_ends_open_streams_with_an_engine_error(config: EngineConfig) -> None:
-    long = replace(config, token_budget_base=1_000_000, synthetic=replace(config.synthetic, frames_per_prompt_token=64))
-    with serving(long, drain_timeout_s=0.3) as srv:
+    with serving(endless(config), drain_timeout_s=0.3) as srv:
         remote = RemoteEngine(srv.url)
         chunks = remote.synthesize(TEXT, max_tokens=1_000_000)
         await chunks.__anext__()

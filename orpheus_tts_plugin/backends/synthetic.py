@@ -33,14 +33,15 @@ class SyntheticBackend(SteppedBackend):
         if self.config.fault_every > 0:
             for i in range(self.config.fault_every - 1, len(ids), self.config.fault_every):
                 ids[i] = self.spec.pad
-        ids.append(self.spec.end_of_speech)
+        if not self.config.endless:
+            ids.append(self.spec.end_of_speech)
         return {"ids": ids, "i": 0, "limit": req.max_new_tokens, "stop": set(req.stop_ids)}
 
     def _step(self, states: list[dict[str, Any]]) -> list[tuple[list[int], str | None]]:
         self._pace()
         out: list[tuple[list[int], str | None]] = []
         for st in states:
-            token = st["ids"][st["i"]]
+            token = st["ids"][st["i"] % len(st["ids"])]  # endless ids repeat whole frames
             st["i"] += 1
             if token in st["stop"]:
                 out.append(([], FinishReason.STOP))

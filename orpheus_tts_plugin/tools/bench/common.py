@@ -48,16 +48,49 @@ def run_metadata() -> dict[str, Any]:
     except OSError:
         commit = ""
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs"
-        + (f", {cuda}" if cuda else ", no GPU"),
+        "machine": f"{cpu_model()}, {cpus} CPUs" + (f", {cuda}" if cuda else ", no GPU"),
+        "cpu_model": cpu_model(),
+        "cpus": cpus,
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "blas": blas(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,  # others' work on the machine
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "commit": commit or None,
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the platform's processor string."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def blas() -> str:
+    """The BLAS torch was built with, as `torch.__config__` names it (e.g. "mkl", "open")."""
+    import re
+
+    import torch
+
+    found = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    return found.group(1) if found else "unknown"
+
+
+def host_line() -> str:
+    """One line naming the host for a printed figure: CPU model, cores, torch, BLAS."""
+    meta = run_metadata()
+    return f"host: {meta['machine']}, torch {meta['torch']}, BLAS {meta['blas']} ({meta['cpu_capability']})"
 
 
 def print_table(result: dict[str, Any]) -> None:

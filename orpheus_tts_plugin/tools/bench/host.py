@@ -84,14 +84,16 @@ def main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     snac = load_snac(args.snac, args.device)
-    modes = ("eager", "compiled") if args.compile else ("eager",)
+    modes = ("eager", "compiled") if args.compile else ("eager",)  # eager first: its figures come in seconds
     result: dict[str, Any] = {"bench": "host", "meta": run_metadata(), "device": args.device, "decoder": {}}
     rows = []
     for mode in modes:
         points = {}
         for n in args.streams:
+            print(f"{mode}, {n} streams ...", end=" ", flush=True)
             points[str(n)] = measure(snac, n, mode == "compiled", args.ticks)
             rows.append({"mode": mode, "streams": n, **points[str(n)]})
+            print(f"{points[str(n)]['host_ms_per_tick']:.1f} ms per tick", flush=True)
         result["decoder" if mode == "eager" else "decoder_compiled"] = {"streams": points}
     one, top = str(min(args.streams)), str(max(args.streams))
     eager = result["decoder"]["streams"]

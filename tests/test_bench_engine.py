@@ -202,8 +202,9 @@ def test_gpu_script_smoke_mode(tmp_path: Path, test_model_dir: Path) -> None:
     assert result["smoke"] and not result["errors"]
     rows = result["decoder"]["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
-    assert all(r["eager_x_rt"] > 0 and r["compiled_x_rt"] > 0 and r["reference_eager_x_rt"] > 0 for r in rows)
-    assert all(r["compiled_max_diff_vs_eager_int16"] <= 2 for r in rows)  # compiled decodes what eager does
+    # Eager only: compiling on CPU takes minutes; tests/test_decoder.py checks the compiled step decodes as eager.
+    assert result["decoder"]["modes"] == ["eager"]
+    assert all(r["eager_x_rt"] > 0 and r["reference_eager_x_rt"] > 0 for r in rows)
     backend = [r for r in result["backend"]["rows"] if "concurrency" in r]
     assert [r["variant"] for r in result["backend"]["rows"]][0] == "eager"
     assert [r["concurrency"] for r in backend] == [1, 2] and all(r["completed"] == r["concurrency"] for r in backend)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import wave
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -147,11 +149,37 @@ def test_four_simulated_calls_at_once_hear_the_agent_and_barge_in_clears_its_aud
         assert np.count_nonzero(agent) > mulaw.RATE  # more than a second of agent audio heard
 
 
-def test_each_caller_line_is_one_turn_with_no_pause_the_vad_could_end_speech_at(caller_lines: dict[str, bytes]):
-    from examples.pipecat_phone_agent.config import TurnTaking
-    from examples.pipecat_phone_agent.make_fixtures import pause_runs
+class _GatedRecognizer:
+    """Transcribes segment i as "segment i"; the first only once the next segment has ended (a slow decode)."""
 
-    for name, audio in caller_lines.items():
-        pcm = mulaw.decode(audio).astype(np.float32) / 32768.0
-        longest = max((b - a for a, b in pause_runs(pcm, mulaw.RATE)), default=0) / mulaw.RATE
-        assert longest <= TurnTaking().vad_stop_secs / 2, (name, longest)
+    def __init__(self) -> None:
+        self.service: Any = None
+        self.calls = 0
+
+    async def transcribe(self, pcm: bytes) -> str:
+        self.calls += 1
+        if self.calls == 1:
+            while self.service._segments < 2:
+                await asyncio.sleep(0.001)
+        return f"segment {self.calls}"
+
+
+async def test_a_transcript_that_arrives_while_the_caller_speaks_again_does_not_end_the_turn():
+    from pipecat.frames.frames import (
+        InputAudioRawFrame,
+        TranscriptionFrame,
+        VADUserStartedSpeakingFrame,
+        VADUserStoppedSpeakingFrame,
+    )
+    from pipecat.tests.utils import SleepFrame
+
+    from examples.pipecat_phone_agent.offline_stt import PocketsphinxSTTService
+
+    recognizer = _GatedRecognizer()
+    stt = PocketsphinxSTTService(recognizer)  # type: ignore[arg-type]
+    recognizer.service = stt
+    audio = [InputAudioRawFrame(bytes(640), SAMPLE_RATE, 1) for _ in range(5)]
+    segment = [VADUserStartedSpeakingFrame(), *audio, VADUserStoppedSpeakingFrame()]
+    down, _ = await run_test(stt, frames_to_send=[*segment, SleepFrame(0.05), *segment, SleepFrame(0.2)])
+    transcripts = [f for f in down if isinstance(f, TranscriptionFrame)]
+    assert [(t.text, t.finalized) for t in transcripts] == [("segment 1", False), ("segment 2", True)]

@@ -28,11 +28,6 @@ CALLER_LINES = {
 }
 MANIFEST = "fixtures.json"
 TARGET_PEAK = 0.7  # of full scale: a loud, clean caller, well above the VAD's volume floor
-# Each line is one turn: no pause inside it may be long enough for the VAD to end speech (the agent's
-# vad_stop_secs is 0.2 s). espeak-ng pauses up to ~0.21 s at a comma; a pause the VAD could end speech at
-# lets a server that lags behind real time end the turn there, so a split would depend on host speed.
-MAX_PAUSE_S = 0.08
-QUIET_RMS = 0.01  # of full scale, over 10 ms: below this the line is pausing
 
 
 def speak(text: str, voice: str = "en-us", words_per_minute: int = 165) -> np.ndarray:
@@ -51,34 +46,7 @@ def speak(text: str, voice: str = "en-us", words_per_minute: int = 165) -> np.nd
             pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
     audio = soxr.resample(pcm.astype(np.float32) / 32768.0, rate, mulaw.RATE, quality="VHQ")
     audio *= TARGET_PEAK / max(float(np.abs(audio).max()), 1e-6)
-    audio = shorten_pauses(audio, mulaw.RATE)
     return np.clip(np.round(audio * 32767.0), -32768, 32767).astype(np.int16)
-
-
-def pause_runs(audio: np.ndarray, rate: int) -> list[tuple[int, int]]:
-    """(start, end) sample ranges of the pauses inside the speech (quiet 10 ms RMS), leading and trailing excluded."""
-    window = max(1, rate // 100)
-    rms = np.sqrt(np.convolve(audio.astype(np.float64) ** 2, np.ones(window) / window, "same"))
-    loud = np.flatnonzero(rms >= QUIET_RMS)
-    if loud.size == 0:
-        return []
-    quiet = np.r_[False, rms[loud[0] : loud[-1] + 1] < QUIET_RMS, False].astype(np.int8)
-    edges = np.flatnonzero(np.diff(quiet))
-    return [(loud[0] + a, loud[0] + b) for a, b in zip(edges[::2], edges[1::2])]
-
-
-def shorten_pauses(audio: np.ndarray, rate: int, max_pause_s: float = MAX_PAUSE_S) -> np.ndarray:
-    """`audio` with every pause inside the speech cut to at most `max_pause_s` (its middle removed)."""
-    keep = int(max_pause_s * rate)
-    cuts = [(a + keep // 2, b - (keep - keep // 2)) for a, b in pause_runs(audio, rate) if b - a > keep]
-    if not cuts:
-        return audio
-    pieces, at = [], 0
-    for a, b in cuts:
-        pieces.append(audio[at:a])
-        at = b
-    pieces.append(audio[at:])
-    return np.concatenate(pieces)
 
 
 def make_fixtures(out_dir: str | Path, lines: dict[str, str] = CALLER_LINES) -> dict[str, bytes]:
@@ -89,12 +57,7 @@ def make_fixtures(out_dir: str | Path, lines: dict[str, str] = CALLER_LINES) -> 
     manifest = {}
     for name, text in lines.items():
         (out / f"{name}.ulaw").write_bytes(audio[name])
-        manifest[name] = {
-            "text": text,
-            "file": f"{name}.ulaw",
-            "seconds": len(audio[name]) / mulaw.RATE,
-            "max_pause_s": MAX_PAUSE_S,
-        }
+        manifest[name] = {"text": text, "file": f"{name}.ulaw", "seconds": len(audio[name]) / mulaw.RATE}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return audio
 
@@ -104,8 +67,7 @@ def load_fixtures(out_dir: str | Path, lines: dict[str, str] = CALLER_LINES) -> 
     out = Path(out_dir)
     try:
         manifest = json.loads((out / MANIFEST).read_text())
-        made = {name: (entry["text"], entry.get("max_pause_s")) for name, entry in manifest.items()}
-        if made == {name: (text, MAX_PAUSE_S) for name, text in lines.items()}:
+        if {name: entry["text"] for name, entry in manifest.items()} == lines:
             return {name: (out / entry["file"]).read_bytes() for name, entry in manifest.items()}
     except (OSError, ValueError, KeyError):
         pass

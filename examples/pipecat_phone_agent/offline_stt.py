@@ -2,19 +2,24 @@
 
 pocketsphinx holds the GIL while it decodes (about half real time on one core), so decoding runs in
 worker processes shared by every call; the event loop that carries the calls' audio never waits on it.
+The workers run at a lower CPU priority (nice): on a machine with few cores a decode then waits for the
+agent's audio path (the TTS threads, the event loop that writes to the callers) instead of starving it;
+a transcript may come a little later, a gap in the agent's speech does not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 from collections.abc import AsyncGenerator
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from pipecat.frames.frames import Frame, TranscriptionFrame
+from pipecat.frames.frames import Frame, TranscriptionFrame, VADUserStartedSpeakingFrame, VADUserStoppedSpeakingFrame
+from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.settings import STTSettings
-from pipecat.services.stt_service import SegmentedSTTService
+from pipecat.services.stt_service import SegmentedSTTService, STTService
 from pipecat.transcriptions.language import Language
 from pipecat.utils.time import time_now_iso8601
 
@@ -26,6 +31,8 @@ TRANSCRIPT_P99_S = 3.0
 # Narrower search beams than pocketsphinx's defaults: about 3x faster, nearly the same transcripts on phone audio.
 DECODER_OPTIONS = dict(beam=1e-35, pbeam=1e-35, wbeam=1e-25, maxhmmpf=5000)
 
+WORKER_NICE = 10  # added to the workers' niceness: below the agent's audio path, above nothing else
+
 _decoder: Any = None  # one per worker process
 
 
@@ -33,6 +40,8 @@ def _load_decoder() -> None:
     global _decoder
     from pocketsphinx import Decoder
 
+    if hasattr(os, "nice"):
+        os.nice(WORKER_NICE)
     _decoder = Decoder(samprate=SAMPLE_RATE, loglevel="FATAL", **DECODER_OPTIONS)
 
 
@@ -76,6 +85,10 @@ class PocketsphinxSTTService(SegmentedSTTService):
             **kwargs,
         )
         self._recognizer = recognizer
+        # Event loop only: segments the VAD has ended, segments taken for transcription, caller speaking now.
+        self._segments = 0
+        self._transcribed = 0
+        self._speaking = False
 
     @property
     def wants_wav_segments(self) -> bool:
@@ -85,8 +98,32 @@ class PocketsphinxSTTService(SegmentedSTTService):
     def can_generate_metrics(self) -> bool:
         return True
 
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        """Count the caller's speech segments (one per VAD stop) and note whether the caller speaks now."""
+        if isinstance(frame, VADUserStartedSpeakingFrame):
+            self._speaking = True
+        elif isinstance(frame, VADUserStoppedSpeakingFrame):
+            self._speaking = False
+            self._segments += 1
+        await super().process_frame(frame, direction)
+
+    async def push_frame(self, frame: Frame, direction: FrameDirection = FrameDirection.DOWNSTREAM) -> None:
+        """Push a frame; a transcript is final only if the caller has not spoken since its segment ended.
+
+        Pipecat's `SegmentedSTTService` marks every segment's transcript finalized. When a segment's decode
+        outlasts the caller's pause (a comma, on a busy CPU), that transcript arrives while the next segment
+        is spoken, and the turn-stop strategy takes it as "nothing more is coming": the turn then ends at the
+        next VAD stop without the last segment's words, which start a second turn. Such a transcript goes
+        out unfinalized here, so the turn ends on its last segment's transcript, however slow the CPU.
+        """
+        if isinstance(frame, TranscriptionFrame) and (self._speaking or self._transcribed < self._segments):
+            await STTService.push_frame(self, frame, direction)  # past SegmentedSTTService's finalized=True
+            return
+        await super().push_frame(frame, direction)
+
     async def run_stt(self, audio: bytes) -> AsyncGenerator[Frame, None]:
         """Transcribe one speech segment in a worker process (a failure is reported by the base class)."""
+        self._transcribed += 1
         await self.start_processing_metrics()
         try:
             text = await self._recognizer.transcribe(audio)

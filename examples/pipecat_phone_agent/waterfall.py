@@ -28,8 +28,9 @@ CHRONOLOGY = (
 def stages_ms(moments: list[list[Any]], speech_end: float, caller_first_audio: float | None) -> dict[str, float | None]:
     """Milliseconds from the caller's speech end to each stage of the reply that followed it.
 
-    Each stage is its first moment after the stage that causes it (the transcript and the VAD stop only
-    need to follow the speech end).
+    Each stage is its first moment after the stage that causes it (the VAD stop and the turn end only need
+    to follow the speech end). The transcript is the last one between the VAD stop and the turn end: a line
+    the VAD heard as two segments has two, and the turn waits for the second.
     """
     ordered = sorted(moments)
 
@@ -38,7 +39,11 @@ def stages_ms(moments: list[list[Any]], speech_end: float, caller_first_audio: f
             return None
         return next((t for t, s in ordered if s == stage and t >= after), None)
 
-    at: dict[str, float | None] = {s: first(s, speech_end) for s in ("vad_stop", "transcript", "turn_end")}
+    at: dict[str, float | None] = {s: first(s, speech_end) for s in ("vad_stop", "turn_end")}
+    at["transcript"] = first("transcript", at["vad_stop"])
+    if at["transcript"] is not None and at["turn_end"] is not None:
+        before_end = [t for t, s in ordered if s == "transcript" and at["transcript"] <= t <= at["turn_end"]]
+        at["transcript"] = max(before_end, default=at["transcript"])
     at["llm_first_token"] = first("llm_first_token", at["turn_end"])
     at["tts_first_audio"] = first("tts_first_audio", at["llm_first_token"])
     at["transport_out"] = first("transport_out", at["tts_first_audio"])

@@ -7,8 +7,8 @@ has no GEMM in it, beside its k shifted multiply-adds. A layer of n aten operato
 beat n tiny ones, so the denominator is the larger of the equivalent and n tiny GEMMs. The ratio is a
 property of the host's kernels, not of its speed: a kernel cliff (SNAC's first transposed convolution took
 24× its matmul as `conv_transpose1d` on an AMD EPYC) shows as a large ratio on any host, and
-`tests/test_kernel_cliffs.py` fails on it. Transposed convolutions are also timed as `F.conv_transpose1d`,
-the formulation they replaced.
+`tests/test_kernel_cliffs.py` fails on it. Layers that left `F.conv1d`/`F.conv_transpose1d` for a GEMM
+formulation are also timed as the call they replaced, side by side.
 """
 
 from __future__ import annotations
@@ -114,22 +114,32 @@ def gemm_call(shape: tuple[int, int, int]) -> Callable[[], Any]:
     return lambda: torch.mm(a, b)
 
 
-def conv_transpose_call(layer: Any, rows: int) -> Callable[[], Any]:
-    """The formulation `_ConvTranspose` replaced: `F.conv_transpose1d` of the same window."""
+def replaced_call(layer: Any, rows: int) -> Callable[[], Any] | None:
+    """The `F.conv*` call a layer ran before it took a GEMM formulation (docs/benchmarks.md), or None."""
     import torch
     import torch.nn.functional as F
 
-    s, n = layer.stride, layer.per_frame
-    weight = layer.matrix.t().reshape(layer.in_channels, layer.out_channels, 2 * s).contiguous()
-    bias = layer.bias.view(-1)
-    window = torch.randn(rows, layer.in_channels, n + 1)
-    return lambda: F.conv_transpose1d(window, weight, bias, stride=s)[..., s : (n + 1) * s]
+    from ...layers import _Conv, _ConvTranspose, _Noise, _Pointwise
+
+    n = layer.per_frame
+    if isinstance(layer, _ConvTranspose):
+        s = layer.stride
+        weight = layer.matrix.t().reshape(layer.in_channels, layer.out_channels, 2 * s).contiguous()
+        bias, window = layer.bias.view(-1), torch.randn(rows, layer.in_channels, n + 1)
+        return lambda: F.conv_transpose1d(window, weight, bias, stride=s)[..., s : (n + 1) * s]
+    if isinstance(layer, (_Pointwise, _Noise)):
+        x = torch.randn(rows, layer.in_channels, n)
+        return lambda: F.conv1d(x, layer.weight)
+    if isinstance(layer, _Conv) and layer.taps is not None:
+        window = torch.randn(rows, layer.in_channels, n + layer.context)
+        return lambda: F.conv1d(window, layer.weight, layer.bias, dilation=layer.dilation)
+    return None
 
 
 def profile(snac: Any, rows: int = 1, calls: int = 20, reference: bool = True) -> list[dict[str, Any]]:
     """Per layer at its steady shape: ms per call, its equivalent's ms, and their ratio (CLIFF_RATIO: a cliff)."""
     from ...decoder import StreamingDecoder
-    from ...layers import _Conv, _ConvTranspose
+    from ...layers import _Conv
 
     decoder = StreamingDecoder(snac, max_streams=rows)
     tiny_op = median_ms(gemm_call((1, 1, 1)), max(calls, 50))
@@ -148,8 +158,9 @@ def profile(snac: Any, rows: int = 1, calls: int = 20, reference: bool = True) -
         if "equivalent_ms" in row:
             row["aten_ops"] = aten_ops(call)
             row["ratio"] = ms / max(row["equivalent_ms"], row["aten_ops"] * tiny_op)
-        if reference and isinstance(layer, _ConvTranspose):
-            row["conv_transpose1d_ms"] = median_ms(conv_transpose_call(layer, rows), calls)
+        replaced = replaced_call(layer, rows) if reference else None
+        if replaced is not None:
+            row["replaced_ms"] = median_ms(replaced, calls)
         out.append(row)
     return out
 
@@ -163,7 +174,7 @@ COLUMNS = {
     "equivalent_ms": "equiv. ms",
     "aten_ops": "ops",
     "ratio": "ratio",
-    "conv_transpose1d_ms": "conv_transpose1d ms",
+    "replaced_ms": "F.conv* ms (before)",
 }
 
 

@@ -503,6 +503,9 @@ PLAYBACK_SPEEDS = {**PACINGS, "slower-than-playback": 60.0}
 STALL_AT = 7 * 18  # tokens before a request stalls in the stall test: 18 frames, about 1.4 s of audio
 
 
+DEVICE_BUFFER_S = 0.1
+
+
 class Speaker(BaseOutputTransport):
     """An audio device at the end of the pipeline: plays each chunk in real time after the one before it.
 
@@ -531,7 +534,10 @@ class Speaker(BaseOutputTransport):
         seconds = len(frame.audio) / 2 / frame.sample_rate
         self._plays.append((start, seconds))
         self._until = start + seconds
-        await asyncio.sleep(start - now)  # a one-chunk device buffer: the write waits while the chunk before plays
+        # A device buffer of DEVICE_BUFFER_S: the write returns that long before the chunk before it ends, as a
+        # sound card takes the next period while one plays; so a late wake-up of this (test) event loop is not
+        # heard as a gap, and only audio that comes too late for the device (a stall in generation) is.
+        await asyncio.sleep(max(0.0, start - now - DEVICE_BUFFER_S))
         return True
 
     def played(self, at: float | None = None) -> float:

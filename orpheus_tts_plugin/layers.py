@@ -120,8 +120,8 @@ class _Conv(Layer):
     """A 'same'-padded convolution streamed with the last `context` inputs as state.
 
     A dense convolution with few output channels (SNAC's last, 64 → 1) runs as one GEMM per kernel tap on
-    shifted views of the window, summed: there `F.conv1d` is 2–4× slower than the same products
-    (docs/benchmarks.md); every other one runs as `F.conv1d`.
+    shifted views of the window, summed: for one stream `F.conv1d` took 1.5–3.6× as long there (0.35–0.89 vs
+    0.23–0.25 ms, docs/benchmarks.md; at 8 rows it was 20 % faster, no cliff); every other one is `F.conv1d`.
     """
 
     SHIFTED_MAX_OUT = 16  # at most this many output channels: shifted GEMMs

@@ -105,8 +105,7 @@ class _Pointwise(Layer):
     """A kernel-1 convolution: no context, no state."""
 
     def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
-        self.weight = conv.weight.detach().clone()
-        self.matrix = self.weight[:, :, 0].contiguous()
+        self.matrix = conv.weight.detach()[:, :, 0].contiguous()  # (out, in)
         self.bias = None if conv.bias is None else conv.bias.detach().clone().view(1, -1, 1)
         self.in_channels = conv.in_channels
         self.per_frame, self.delay = per_frame, delay
@@ -204,9 +203,8 @@ class _ConvTranspose(Layer):
 class _Noise(Layer):
     def __init__(self, noise: PositionalNoise, per_frame: int, delay: int):
         self.noise = noise
-        self.weight = noise.linear.weight.detach().clone()
-        self.matrix = self.weight[:, :, 0].contiguous()
-        self.in_channels = self.weight.shape[1]
+        self.matrix = noise.linear.weight.detach()[:, :, 0].contiguous()  # (out, in)
+        self.in_channels = self.matrix.shape[1]
         self.per_frame, self.delay = per_frame, delay
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:

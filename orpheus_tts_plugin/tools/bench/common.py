@@ -16,6 +16,20 @@ def cpu_timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
     return time.process_time() - c0, time.perf_counter() - w0, result
 
 
+def median_ms(fn: Callable[[], Any], calls: int, warmup: int = 0) -> float:
+    """Median wall milliseconds of fn() over `calls` calls, after `warmup` untimed ones."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
 def print_rows(rows: list[dict[str, Any]], columns: dict[str, str]) -> None:
     """A table with one line per row dict: `columns` maps each shown key to its header."""
     cells = [[_shown(row.get(key)) for key in columns] for row in rows]

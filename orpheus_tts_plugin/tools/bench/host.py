@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from .common import print_rows, run_metadata, write_json
+from .common import median_ms, print_rows, run_metadata, write_json
 
 
 @contextlib.contextmanager
@@ -68,12 +67,7 @@ def measure(snac: Any, streams: int, compile: bool, ticks: int) -> dict[str, Any
     if not compile:
         with count_aten_ops() as ops:
             tick()
-    times = []
-    for _ in range(ticks):
-        t = time.perf_counter()
-        tick()
-        times.append(time.perf_counter() - t)
-    return {"aten_ops_per_tick": ops[0], "host_ms_per_tick": float(np.median(times) * 1e3)}
+    return {"aten_ops_per_tick": ops[0], "host_ms_per_tick": median_ms(tick, ticks)}
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,26 +14,12 @@ formulation are also timed as the call they replaced, side by side.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
-from .common import print_rows, run_metadata, write_json
+from .common import median_ms, print_rows, run_metadata, write_json
 
 CLIFF_RATIO = 5.0  # a layer slower than this many times its equivalent has hit a kernel cliff
-
-
-def median_ms(fn: Callable[[], Any], calls: int, warmup: int = 3) -> float:
-    """Median wall milliseconds of fn() over `calls` calls, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2] * 1e3
 
 
 def flat_layers(layers: list[Any]) -> list[tuple[str, Any]]:
@@ -55,7 +41,9 @@ def gemm_shape(layer: Any, rows: int, n: int) -> tuple[int, int, int] | None:
 
     if isinstance(layer, _ConvTranspose):
         return layer.matrix.shape[0], layer.in_channels, rows * (n + 1)
-    if isinstance(layer, (_Conv, _Pointwise, _Noise)) and getattr(layer, "groups", 1) == 1:
+    if isinstance(layer, (_Pointwise, _Noise)):
+        return layer.matrix.shape[0], layer.in_channels, rows * n
+    if isinstance(layer, _Conv) and layer.groups == 1:
         out, per_group, k = layer.weight.shape
         return out, per_group * k, rows * n
     return None
@@ -128,8 +116,8 @@ def replaced_call(layer: Any, rows: int) -> Callable[[], Any] | None:
         bias, window = layer.bias.view(-1), torch.randn(rows, layer.in_channels, n + 1)
         return lambda: F.conv_transpose1d(window, weight, bias, stride=s)[..., s : (n + 1) * s]
     if isinstance(layer, (_Pointwise, _Noise)):
-        x = torch.randn(rows, layer.in_channels, n)
-        return lambda: F.conv1d(x, layer.weight)
+        x, weight = torch.randn(rows, layer.in_channels, n), layer.matrix.unsqueeze(-1)
+        return lambda: F.conv1d(x, weight)
     if isinstance(layer, _Conv) and layer.taps is not None:
         window = torch.randn(rows, layer.in_channels, n + layer.context)
         return lambda: F.conv1d(window, layer.weight, layer.bias, dilation=layer.dilation)
@@ -142,25 +130,25 @@ def profile(snac: Any, rows: int = 1, calls: int = 20, reference: bool = True) -
     from ...layers import _Conv
 
     decoder = StreamingDecoder(snac, max_streams=rows)
-    tiny_op = median_ms(gemm_call((1, 1, 1)), max(calls, 50))
+    tiny_op = median_ms(gemm_call((1, 1, 1)), max(calls, 50), warmup=3)
     out = []
     for name, layer in flat_layers(decoder.layers):
         call, shape = layer_call(layer, rows)
-        ms = median_ms(call, calls)
+        ms = median_ms(call, calls, warmup=3)
         row: dict[str, Any] = {"layer": name, "kind": type(layer).__name__.lstrip("_"), "input": shape, "ms": ms}
         gemm = gemm_shape(layer, rows, layer.per_frame)
         if gemm is not None:
             row["equivalent"] = "mm " + "x".join(map(str, gemm))
-            row["equivalent_ms"] = median_ms(gemm_call(gemm), calls)
+            row["equivalent_ms"] = median_ms(gemm_call(gemm), calls, warmup=3)
         elif isinstance(layer, _Conv):
             row["equivalent"] = f"{layer.weight.shape[-1]} shifted MACs"
-            row["equivalent_ms"] = median_ms(shifted_mac_call(layer, rows), calls)
+            row["equivalent_ms"] = median_ms(shifted_mac_call(layer, rows), calls, warmup=3)
         if "equivalent_ms" in row:
             row["aten_ops"] = aten_ops(call)
             row["ratio"] = ms / max(row["equivalent_ms"], row["aten_ops"] * tiny_op)
         replaced = replaced_call(layer, rows) if reference else None
         if replaced is not None:
-            row["replaced_ms"] = median_ms(replaced, calls)
+            row["replaced_ms"] = median_ms(replaced, calls, warmup=3)
         out.append(row)
     return out
 

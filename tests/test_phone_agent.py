@@ -95,15 +95,22 @@ def test_a_gap_is_a_silence_over_100_ms_between_pieces_of_agent_audio_the_caller
 
 
 @needs_espeak
-async def test_pocketsphinx_recognizes_the_callers_question(caller_lines: dict[str, bytes]):
-    pcm = soxr.resample(mulaw.decode(caller_lines["question"]), mulaw.RATE, SAMPLE_RATE).astype(np.int16)
-    recognizer = PocketsphinxRecognizer(workers=1)
+async def test_pocketsphinx_recognizes_the_callers_question_whole_and_streamed_in_20_ms_pieces(
+    caller_lines: dict[str, bytes],
+):
+    pcm = soxr.resample(mulaw.decode(caller_lines["question"]), mulaw.RATE, SAMPLE_RATE).astype(np.int16).tobytes()
+    recognizer = PocketsphinxRecognizer(workers=1, decoders_per_worker=1)
     try:
         await recognizer.start()
-        text = await recognizer.transcribe(pcm.tobytes())
+        whole = await recognizer.transcribe(pcm)
+        utterance = recognizer.begin()
+        for i in range(0, len(pcm), 640):
+            utterance.feed(pcm[i : i + 640])
+        streamed = await utterance.finish()
     finally:
         recognizer.close()
-    assert {"what", "your", "opening", "hours"} & set(text.split()), text
+    for text in (whole, streamed):
+        assert {"what", "your", "opening", "hours"} & set(text.split()), text
 
 
 @needs_espeak
@@ -149,37 +156,79 @@ def test_four_simulated_calls_at_once_hear_the_agent_and_barge_in_clears_its_aud
         assert np.count_nonzero(agent) > mulaw.RATE  # more than a second of agent audio heard
 
 
-class _GatedRecognizer:
-    """Transcribes segment i as "segment i"; the first only once the next segment has ended (a slow decode)."""
+class _FakeUtterance:
+    """Records the audio it is fed; its transcript is "segment i" (with `gated`, the first only once the next
+    segment has ended: a decode that fell behind the caller's pause)."""
 
-    def __init__(self) -> None:
-        self.service: Any = None
-        self.calls = 0
+    def __init__(self, recognizer: _FakeRecognizer, index: int, pcm: bytes) -> None:
+        self.recognizer, self.index, self.pieces = recognizer, index, [pcm]
+        self.finished_with: bytes | None = None
 
-    async def transcribe(self, pcm: bytes) -> str:
-        self.calls += 1
-        if self.calls == 1:
-            while self.service._segments < 2:
+    def feed(self, pcm: bytes) -> None:
+        self.pieces.append(pcm)
+
+    async def finish(self, pcm: bytes = b"") -> str:
+        self.finished_with = pcm
+        if self.index == 1 and self.recognizer.gated:
+            while self.recognizer.service._segments < 2:
                 await asyncio.sleep(0.001)
-        return f"segment {self.calls}"
+        return f"segment {self.index}"
+
+    def drop(self) -> None:
+        self.finished_with = b"dropped"
+
+
+class _FakeRecognizer:
+    def __init__(self, gated: bool = False) -> None:
+        self.service: Any = None
+        self.gated = gated
+        self.utterances: list[_FakeUtterance] = []
+
+    def begin(self, pcm: bytes = b"") -> _FakeUtterance:
+        self.utterances.append(_FakeUtterance(self, len(self.utterances) + 1, pcm))
+        return self.utterances[-1]
+
+
+def _segment_frames(before: int, during: int) -> list[Any]:
+    """Caller audio: `before` 20 ms frames of silence, then `during` frames of speech between VAD start and stop."""
+    from pipecat.frames.frames import InputAudioRawFrame, VADUserStartedSpeakingFrame, VADUserStoppedSpeakingFrame
+
+    audio = [InputAudioRawFrame(bytes([i % 251]) * 640, SAMPLE_RATE, 1) for i in range(before + during)]
+    return [*audio[:before], VADUserStartedSpeakingFrame(), *audio[before:], VADUserStoppedSpeakingFrame()]
+
+
+async def test_the_caller_s_speech_reaches_the_recognizer_while_spoken_with_the_second_before_the_vad_start():
+    from pipecat.frames.frames import TranscriptionFrame
+    from pipecat.tests.utils import SleepFrame
+
+    from examples.pipecat_phone_agent.offline_stt import PRE_ROLL_S, PocketsphinxSTTService
+
+    recognizer = _FakeRecognizer()
+    stt = PocketsphinxSTTService(recognizer)  # type: ignore[arg-type]
+    recognizer.service = stt
+    frames = _segment_frames(before=80, during=23)  # 1.6 s before the VAD start, 0.46 s of speech
+    down, _ = await run_test(stt, frames_to_send=[*frames, SleepFrame(0.05)])
+    (utterance,) = recognizer.utterances
+    sent = [f.audio for f in frames if hasattr(f, "audio")]
+    assert utterance.pieces[0] == b"".join(sent[:80])[-int(PRE_ROLL_S * SAMPLE_RATE) * 2 :]  # the pre-roll
+    assert [len(p) for p in utterance.pieces[1:]] == [3200, 3200, 3200, 3200]  # fed in 0.1 s pieces as spoken
+    assert utterance.finished_with is not None
+    assert b"".join(utterance.pieces[1:]) + utterance.finished_with[:1920] == b"".join(sent[80:])  # nothing lost
+    assert not any(utterance.finished_with[1920:])  # then trailing silence
+    transcripts = [f for f in down if isinstance(f, TranscriptionFrame)]
+    assert [(t.text, t.finalized) for t in transcripts] == [("segment 1", True)]
 
 
 async def test_a_transcript_that_arrives_while_the_caller_speaks_again_does_not_end_the_turn():
-    from pipecat.frames.frames import (
-        InputAudioRawFrame,
-        TranscriptionFrame,
-        VADUserStartedSpeakingFrame,
-        VADUserStoppedSpeakingFrame,
-    )
+    from pipecat.frames.frames import TranscriptionFrame
     from pipecat.tests.utils import SleepFrame
 
     from examples.pipecat_phone_agent.offline_stt import PocketsphinxSTTService
 
-    recognizer = _GatedRecognizer()
+    recognizer = _FakeRecognizer(gated=True)
     stt = PocketsphinxSTTService(recognizer)  # type: ignore[arg-type]
     recognizer.service = stt
-    audio = [InputAudioRawFrame(bytes(640), SAMPLE_RATE, 1) for _ in range(5)]
-    segment = [VADUserStartedSpeakingFrame(), *audio, VADUserStoppedSpeakingFrame()]
+    segment = _segment_frames(before=0, during=5)
     down, _ = await run_test(stt, frames_to_send=[*segment, SleepFrame(0.05), *segment, SleepFrame(0.2)])
     transcripts = [f for f in down if isinstance(f, TranscriptionFrame)]
     assert [(t.text, t.finalized) for t in transcripts] == [("segment 1", False), ("segment 2", True)]

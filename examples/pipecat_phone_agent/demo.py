@@ -1,13 +1,16 @@
 """The phone agent end to end on one machine, offline: server + simulated Twilio callers, then a report.
 
-    python -m examples.pipecat_phone_agent.demo [--calls 4] [--out out/phone-agent] [--tts inprocess|serve|both]
+    python -m examples.pipecat_phone_agent.demo [--calls 4] [--out out/phone-agent] [--tts serve|inprocess|both]
 
 Makes what it needs if missing (the random-weight test model from `orpheus-tts make-test-model`, the
 caller's speech from espeak-ng), starts the server (pocketsphinx STT, the offline responder, Orpheus
 on the test model, one engine for all calls), places the calls at once over real WebSockets, and
 writes a stereo WAV per call plus a JSON report of the latencies the callers measured, each turn's
-latency waterfall (`stages_ms`) and a chart of it, and the gaps in the agent's audio. `--tts serve`
-speaks through a local `orpheus-tts serve` process (RemoteEngine) instead; `both` runs both ways.
+latency waterfall (`stages_ms`) and a chart of it, and the gaps in the agent's audio. By default the agent
+speaks through a local `orpheus-tts serve` process (RemoteEngine), one engine process for the machine: on a
+CPU host the engine's steps are many small torch ops, each taking the GIL, and in the agent's own process
+they and four calls' Pipecat pipelines share one interpreter lock (the process stays under one core while
+the TTS falls behind). `--tts inprocess` runs the engine in the agent's process; `both` runs both ways.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -73,8 +77,11 @@ def http_ok(url: str) -> bool:
 def running(cmd: list[str], ready_url: str, log_path: Path, start_timeout: float = 300.0) -> Iterator[None]:
     """Run `cmd` (from the repository root, output to `log_path`) until the block ends, once `ready_url` answers."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    # One torch thread per process unless told otherwise: the test model's ops are too small to split, and
+    # idle OpenMP threads spin on the cores the other processes (callers, agent, recognizers) need.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + start_timeout
         while not http_ok(ready_url):
@@ -144,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=300, help="audio tokens per sentence (~3.6 s)")
     parser.add_argument(
         "--tts",
-        choices=("inprocess", "serve", "both"),
-        default="inprocess",
-        help="the engine in the agent's process, behind `orpheus-tts serve`, or both in turn",
+        choices=("serve", "inprocess", "both"),
+        default="serve",
+        help="the engine behind `orpheus-tts serve` (its own process), in the agent's process, or both in turn",
     )
     parser.add_argument(
         "--server-arg",

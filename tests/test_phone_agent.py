@@ -232,3 +232,19 @@ async def test_a_transcript_that_arrives_while_the_caller_speaks_again_does_not_
     down, _ = await run_test(stt, frames_to_send=[*segment, SleepFrame(0.05), *segment, SleepFrame(0.2)])
     transcripts = [f for f in down if isinstance(f, TranscriptionFrame)]
     assert [(t.text, t.finalized) for t in transcripts] == [("segment 1", False), ("segment 2", True)]
+
+
+async def test_an_utterance_still_open_when_the_call_ends_is_dropped_not_transcribed():
+    from pipecat.frames.frames import TranscriptionFrame, VADUserStartedSpeakingFrame
+
+    from examples.pipecat_phone_agent.offline_stt import PocketsphinxSTTService
+
+    recognizer = _FakeRecognizer()
+    stt = PocketsphinxSTTService(recognizer)  # type: ignore[arg-type]
+    recognizer.service = stt
+    speech = _segment_frames(before=0, during=5)[:-1]  # the caller hangs up mid-sentence: no VAD stop
+    assert isinstance(speech[0], VADUserStartedSpeakingFrame)
+    down, _ = await run_test(stt, frames_to_send=speech)
+    (utterance,) = recognizer.utterances
+    assert utterance.finished_with == b"dropped"
+    assert not [f for f in down if isinstance(f, TranscriptionFrame)]

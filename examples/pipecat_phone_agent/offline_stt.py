@@ -1,6 +1,6 @@
 """Offline speech recognition for the phone agent: pocketsphinx, decoding while the caller speaks.
 
-pocketsphinx holds the GIL while it decodes (about a third of real time on one core), so decoding runs in
+pocketsphinx holds the GIL while it decodes (a quarter to a third of real time on one core), so decoding runs in
 worker processes shared by every call; the event loop that carries the calls' audio never waits on it.
 Each utterance is decoded as it is spoken: from the VAD's start (with the second of audio before it, as
 the VAD starts late) its audio goes to one worker in 0.1 s pieces, so at the VAD's stop only the last
@@ -117,7 +117,8 @@ def _drop(key: int) -> None:
 class Utterance:
     """One utterance being decoded in one worker; its pieces reach the worker in the order they are fed.
 
-    Event loop only. A piece's failure (the worker died, say) is kept and raised by `finish`.
+    Event loop only, but for `_error`: a piece's failure (the worker died, say), set once by the pool's thread
+    and raised by `finish`.
     """
 
     def __init__(self, pool: ProcessPoolExecutor, key: int, pcm: bytes, on_close: Any):

@@ -266,7 +266,7 @@ class PocketsphinxSTTService(STTService):
             self._utterance = self._recognizer.begin(bytes(self._recent))
             self._recent.clear()
         elif isinstance(frame, VADUserStoppedSpeakingFrame) and self._utterance is not None:
-            tail = bytes(self._unsent) + bytes(int(TRAILING_SILENCE_S * SAMPLE_RATE) * 2)
+            tail = bytes(self._unsent) + bytes(int(TRAILING_SILENCE_S * BYTES_PER_S))
             self._unsent.clear()
             self._segments += 1
             await self._endings.put(self._utterance.finish(tail))

@@ -16,7 +16,7 @@ def cpu_timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
     return time.process_time() - c0, time.perf_counter() - w0, result
 
 
-def median_ms(fn: Callable[[], Any], calls: int, warmup: int = 0) -> float:
+def median_ms(fn: Callable[[], Any], calls: int, warmup: int = 3) -> float:
     """Median wall milliseconds of fn() over `calls` calls, after `warmup` untimed ones."""
     import statistics
 

@@ -130,25 +130,25 @@ def profile(snac: Any, rows: int = 1, calls: int = 20, reference: bool = True) -
     from ...layers import _Conv
 
     decoder = StreamingDecoder(snac, max_streams=rows)
-    tiny_op = median_ms(gemm_call((1, 1, 1)), max(calls, 50), warmup=3)
+    tiny_op = median_ms(gemm_call((1, 1, 1)), max(calls, 50))
     out = []
     for name, layer in flat_layers(decoder.layers):
         call, shape = layer_call(layer, rows)
-        ms = median_ms(call, calls, warmup=3)
+        ms = median_ms(call, calls)
         row: dict[str, Any] = {"layer": name, "kind": type(layer).__name__.lstrip("_"), "input": shape, "ms": ms}
         gemm = gemm_shape(layer, rows, layer.per_frame)
         if gemm is not None:
             row["equivalent"] = "mm " + "x".join(map(str, gemm))
-            row["equivalent_ms"] = median_ms(gemm_call(gemm), calls, warmup=3)
+            row["equivalent_ms"] = median_ms(gemm_call(gemm), calls)
         elif isinstance(layer, _Conv):
             row["equivalent"] = f"{layer.weight.shape[-1]} shifted MACs"
-            row["equivalent_ms"] = median_ms(shifted_mac_call(layer, rows), calls, warmup=3)
+            row["equivalent_ms"] = median_ms(shifted_mac_call(layer, rows), calls)
         if "equivalent_ms" in row:
             row["aten_ops"] = aten_ops(call)
             row["ratio"] = ms / max(row["equivalent_ms"], row["aten_ops"] * tiny_op)
         replaced = replaced_call(layer, rows) if reference else None
         if replaced is not None:
-            row["replaced_ms"] = median_ms(replaced, calls, warmup=3)
+            row["replaced_ms"] = median_ms(replaced, calls)
         out.append(row)
     return out
 

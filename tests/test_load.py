@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import replace
 from pathlib import Path
@@ -76,8 +77,8 @@ def test_load_beyond_the_servers_capacity_shows_as_rejections(
 def test_load_can_start_its_own_server_and_run_the_same_load_in_process(test_model_dir: Path, tmp_path: Path) -> None:
     serve = (
         f"--backend synthetic --model '' --snac {test_model_dir / 'snac'} --device cpu --token-rate 400 "
-        "--frames-per-token 64 --budget-per-char 2 --budget-base 0"
-    )
+        f"--frames-per-token 64 --budget-per-char 2 --budget-base 0 --cpus {max(os.sched_getaffinity(0))}"
+    )  # the in-process scheme's worker pins itself to the server's --cpus
     result = run(
         LoadOptions(
             serve=serve,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import wave
 from pathlib import Path
@@ -17,7 +18,7 @@ from pipecat.tests.utils import run_test
 
 from examples.pipecat_phone_agent import mulaw  # noqa: E402
 from examples.pipecat_phone_agent.caller import CallScript, Line  # noqa: E402
-from examples.pipecat_phone_agent.demo import run_demo  # noqa: E402
+from examples.pipecat_phone_agent.demo import pinned_cpus, run_demo  # noqa: E402
 from examples.pipecat_phone_agent.offline_responder import RULES, OfflineResponder  # noqa: E402
 from examples.pipecat_phone_agent.offline_stt import SAMPLE_RATE, PocketsphinxRecognizer  # noqa: E402
 from examples.pipecat_phone_agent.server import twiml  # noqa: E402
@@ -113,6 +114,16 @@ async def test_pocketsphinx_recognizes_the_callers_question_whole_and_streamed_i
         assert {"what", "your", "opening", "hours"} & set(text.split()), text
 
 
+async def test_the_recognizers_workers_run_on_the_cpus_they_are_given_not_the_agents() -> None:
+    cpus = frozenset({max(os.sched_getaffinity(0))})
+    recognizer = PocketsphinxRecognizer(workers=1, decoders_per_worker=1, cpus=cpus)
+    try:
+        await recognizer.start()
+        assert await asyncio.wrap_future(recognizer._pools[0].submit(os.sched_getaffinity, 0)) == cpus
+    finally:
+        recognizer.close()
+
+
 @needs_espeak
 def test_four_simulated_calls_at_once_hear_the_agent_and_barge_in_clears_its_audio(
     test_model_dir: Path, caller_lines: dict[str, bytes], tmp_path: Path
@@ -120,6 +131,7 @@ def test_four_simulated_calls_at_once_hear_the_agent_and_barge_in_clears_its_aud
     server_args = [
         *("--backend", "synthetic", "--model", "none", "--snac", str(test_model_dir / "snac"), "--device", "cpu"),
         *("--synthetic-rate", "150", "--max-tokens", "300", "--stt", "pocketsphinx", "--llm", "offline"),
+        *pinned_cpus()[0],  # the agent on one CPU as in the demo; its recognizers anywhere
     ]
     script = CallScript(question=caller_lines["question"], barge_in=caller_lines["barge_in"], timeout_s=30.0)
     report = run_demo(tmp_path, server_args, calls=4, script=script)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -136,5 +137,25 @@ async def test_sigterm_stops_admitting_lets_open_streams_finish_then_exits(
             np.frombuffer(pcm, dtype="<i2").astype(np.int32) for pcm in (b"".join(c.pcm for c in heard), expected)
         )
         assert got.size == want.size and np.abs(got - want).max() <= 2
+    finally:
+        await remote.aclose()
+
+
+@pytest.mark.parametrize("pace", list(PACES))
+async def test_serve_with_cpus_runs_every_thread_on_them_and_speaks(
+    test_model_dir: Path, tmp_path: Path, pace: str
+) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    port = free_port()
+    args = serve_args(test_model_dir / "snac", port, pace, "--cpus", str(cpu))
+    remote = RemoteEngine(f"ws://127.0.0.1:{port}")
+    try:
+        with serve_process(args, tmp_path / "s.log") as p:
+            chunks = [c async for c in remote.synthesize(TEXT, seed=5)]
+            tasks = os.listdir(f"/proc/{p.pid}/task")
+            assert len(tasks) > 3  # the engine's loop, stepping and decoder threads, uvicorn's
+            assert {frozenset(os.sched_getaffinity(int(t))) for t in tasks} == {frozenset({cpu})}
+        assert chunks and chunks[-1].final
+        assert f"on CPUs {cpu}" in (tmp_path / "s.log").read_text()
     finally:
         await remote.aclose()

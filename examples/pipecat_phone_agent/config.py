@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from orpheus_tts_plugin import EngineConfig, SyntheticConfig
+from orpheus_tts_plugin.affinity import allowed_cpus, cpu_list
 
 GREETING = "Hello, thanks for calling. How can I help you today?"
 SYSTEM_PROMPT = (
@@ -34,6 +35,8 @@ class AgentConfig:
     public_url: str | None = None  # wss://…/ws that Twilio should connect to; default: from the request's Host
     stt: str = "pocketsphinx"  # pocketsphinx (offline) | whisper (Pipecat's faster-whisper service)
     stt_workers: int = 2  # pocketsphinx decoder processes
+    cpus: frozenset[int] | None = None  # run the agent's process on these CPUs only
+    stt_cpus: frozenset[int] | None = None  # the recognizers' CPUs (None: the agent's); --cpus: all it had at start
     whisper_model: str = "Systran/faster-distil-whisper-medium.en"
     whisper_device: str = "cuda"
     llm: str = "offline"  # offline (the offline responder) | openai (any OpenAI-compatible server)
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--public-url", default=d.public_url, help="wss:// URL of /ws for the TwiML answer")
     p.add_argument("--stt", choices=("pocketsphinx", "whisper"), default=d.stt)
     p.add_argument("--stt-workers", type=int, default=d.stt_workers, help="pocketsphinx decoder processes")
+    p.add_argument(
+        "--cpus", type=cpu_list, default=None, metavar="LIST",
+        help="run the agent's process on these CPUs only, e.g. 0 (taskset's list); its recognizers run anywhere",
+    )  # fmt: skip
     p.add_argument("--whisper-model", default=d.whisper_model)
     p.add_argument("--whisper-device", default=d.whisper_device)
     p.add_argument("--llm", choices=("offline", "openai"), default=d.llm, help="offline: the offline responder")
@@ -98,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         public_url=a.public_url,
         stt=a.stt,
         stt_workers=a.stt_workers,
+        cpus=a.cpus,
+        stt_cpus=None if a.cpus is None else allowed_cpus(),
         whisper_model=a.whisper_model,
         whisper_device=a.whisper_device,
         llm=a.llm,

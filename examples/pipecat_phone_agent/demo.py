@@ -1,6 +1,7 @@
 """The phone agent end to end on one machine, offline: server + simulated Twilio callers, then a report.
 
     python -m examples.pipecat_phone_agent.demo [--calls 4] [--out out/phone-agent] [--tts serve|inprocess|both]
+        [--no-pin]
 
 Makes what it needs if missing (the random-weight test model from `orpheus-tts make-test-model`, the
 caller's speech from espeak-ng), starts the server (pocketsphinx STT, the offline responder, Orpheus
@@ -11,6 +12,8 @@ speaks through a local `orpheus-tts serve` process (RemoteEngine), one engine pr
 CPU host the engine's steps are many small torch ops, each taking the GIL, and in the agent's own process
 they and four calls' Pipecat pipelines share one interpreter lock (the process stays under one core while
 the TTS falls behind). `--tts inprocess` runs the engine in the agent's process; `both` runs both ways.
+With two or more CPUs the agent runs on the first and `serve` on the last (`--cpus`; `--no-pin` to let them
+float): a process's threads take turns on one lock, and spread over CPUs each turn wakes another CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from orpheus_tts_plugin.affinity import allowed_cpus
 
 from .caller import CallScript, print_summary, run_calls
 from .make_fixtures import load_fixtures
@@ -119,6 +124,15 @@ def tts_server(serve_args: list[str], log_path: Path) -> Iterator[str]:
         yield f"ws://127.0.0.1:{port}"
 
 
+def pinned_cpus() -> tuple[list[str], list[str]]:
+    """`--cpus` for the agent (the first CPU) and for `serve` (the last): each process's threads share one
+    interpreter lock, and spread over CPUs every hand-off of it wakes another (on a VM, a halted vCPU)."""
+    cpus = sorted(allowed_cpus())
+    if len(cpus) < 2:
+        return [], []
+    return ["--cpus", str(cpus[0])], ["--cpus", str(cpus[-1])]
+
+
 def run_demo(
     out: Path, server_args: list[str], calls: int = 4, script: CallScript | None = None, name: str = ""
 ) -> dict[str, Any]:
@@ -156,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the engine behind `orpheus-tts serve` (its own process), in the agent's process, or both in turn",
     )
     parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with 2 or more CPUs: the agent on the first, `serve` on the last, recognizers and callers anywhere",
+    )
+    parser.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -166,16 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     model = ensure_test_model(out / "test-model", args.snac)
     weights = ("--model", str(model / "orpheus"), "--snac", str(model / "snac"), "--backend", "hf", "--device", "cpu")
+    agent_cpus, serve_cpus = pinned_cpus() if args.pin else ([], [])
     server_args = [
         *weights,
         *("--stt", "pocketsphinx", "--llm", "offline", "--max-tokens", str(args.max_tokens)),
+        *agent_cpus,
         *args.server_arg,
     ]
     runs: dict[str, dict[str, Any]] = {}
     if args.tts in ("inprocess", "both"):
         runs["in-process"] = run_demo(out, server_args, calls=args.calls)
     if args.tts in ("serve", "both"):
-        with tts_server([*weights, "--max-streams", "64"], out / "tts-serve.log") as url:
+        with tts_server([*weights, "--max-streams", "64", *serve_cpus], out / "tts-serve.log") as url:
             runs["serve"] = run_demo(out, [*server_args, "--tts-url", url], calls=args.calls, name="-serve")
     for name, report in runs.items():
         print(f"--- {name} TTS")

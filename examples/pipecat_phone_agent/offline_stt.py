@@ -35,6 +35,8 @@ from pipecat.services.stt_service import STTService
 from pipecat.transcriptions.language import Language
 from pipecat.utils.time import time_now_iso8601
 
+from orpheus_tts_plugin.affinity import pin_process
+
 SAMPLE_RATE = 16_000  # the acoustic model's rate; the pipeline's input rate must match
 BYTES_PER_S = 2 * SAMPLE_RATE  # 16-bit mono
 FEED_S = 0.1  # audio goes to the worker in pieces this long: 10 messages a second per speaking caller
@@ -67,10 +69,13 @@ def _new_decoder() -> Any:
     return Decoder(samprate=SAMPLE_RATE, loglevel="FATAL", **DECODER_OPTIONS)
 
 
-def _load_decoders(count: int) -> None:
-    """Worker initializer: lower the priority, load `count` decoders (more are made if more callers speak)."""
+def _load_decoders(count: int, cpus: frozenset[int] | None) -> None:
+    """Worker initializer: lower the priority, move to `cpus` (if given), load `count` decoders (more are made
+    if more callers speak)."""
     if hasattr(os, "nice"):
         os.nice(WORKER_NICE)
+    if cpus is not None:
+        pin_process(cpus)
     _idle.extend(_new_decoder() for _ in range(count))
 
 
@@ -177,10 +182,12 @@ class PocketsphinxRecognizer:
     the fewest open utterances.
     """
 
-    def __init__(self, workers: int = 2, decoders_per_worker: int = 2):
+    def __init__(self, workers: int = 2, decoders_per_worker: int = 2, cpus: frozenset[int] | None = None):
+        """`cpus`: where the workers run (None: where this process does), e.g. all CPUs when the agent is pinned."""
         context = multiprocessing.get_context("spawn")
+        options = (decoders_per_worker, cpus)
         self._pools = [
-            ProcessPoolExecutor(1, mp_context=context, initializer=_load_decoders, initargs=(decoders_per_worker,))
+            ProcessPoolExecutor(1, mp_context=context, initializer=_load_decoders, initargs=options)
             for _ in range(workers)
         ]
         self._open = [0] * workers  # event loop only: open utterances per worker

@@ -18,6 +18,8 @@ import uvicorn
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
 
+from orpheus_tts_plugin.affinity import pin_process
+
 from .bot import read_twilio_start, run_call
 from .config import AgentConfig, parse_args
 from .stages import AgentResources
@@ -76,6 +78,8 @@ def create_app(config: AgentConfig) -> FastAPI:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
+    if config.cpus is not None:
+        pin_process(config.cpus)
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info")
     return 0
 

@@ -23,7 +23,9 @@ class AgentResources:
     def __init__(self, config: AgentConfig):
         self.config = config
         self.engine = _remote(config.tts_url) if config.tts_url else OrpheusEngine.shared(config.engine)
-        self.recognizer = PocketsphinxRecognizer(config.stt_workers) if config.stt == "pocketsphinx" else None
+        self.recognizer = None
+        if config.stt == "pocketsphinx":
+            self.recognizer = PocketsphinxRecognizer(config.stt_workers, cpus=config.stt_cpus)
         self.moments: OrderedDict[str, list[Any]] = OrderedDict()
 
     def keep_moments(self, stream_sid: str, moments: list[Any]) -> None:

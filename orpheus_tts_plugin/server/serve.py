@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from ..affinity import cpu_list, pin_process
 from ..config import BACKENDS, DECODERS, EngineConfig, SyntheticConfig
 from ..errors import missing_extra
 
@@ -58,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssl-certfile", default=None, help="serve TLS (wss://, https://) with this certificate")
     p.add_argument("--ssl-keyfile", default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM: seconds open streams may take to end")
+    p.add_argument(
+        "--cpus", type=cpu_list, default=None, metavar="LIST",
+        help="run the server on these CPUs only, e.g. 3 or 0-3,6 (taskset's list): its threads share one "
+        "interpreter lock, and on one CPU its hand-offs are cheap (docs/serving.md)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="warning")
 
 
@@ -157,6 +163,8 @@ def draining_server(config: uvicorn.Config, service: Service, drain_timeout_s: f
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run `orpheus-tts serve` until SIGTERM/SIGINT, then drain and exit."""
+    if args.cpus is not None:  # before torch loads, so that its thread pool is sized for these CPUs
+        pin_process(args.cpus)
     from ..engine import OrpheusEngine
     from .app import create_app
 
@@ -174,7 +182,8 @@ def serve_main(args: argparse.Namespace) -> int:
     )
     server = draining_server(config, app.state.service, args.drain_timeout)
     where = args.uds or f"{args.host}:{args.port}"
-    print(f"orpheus-tts serve: listening on {where}", file=sys.stderr, flush=True)
+    pinned = f" on CPUs {','.join(map(str, sorted(args.cpus)))}" if args.cpus is not None else ""
+    print(f"orpheus-tts serve: listening on {where}{pinned}", file=sys.stderr, flush=True)
     server.run()
     return server.exit_code
 

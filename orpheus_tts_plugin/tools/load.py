@@ -158,12 +158,18 @@ _ENGINE: OrpheusEngine | None = None  # the in-process scheme's engine: one per 
 
 
 async def _in_process_engine(serve_flags: str) -> OrpheusEngine:
-    """This worker's engine, started and warmed by one utterance on first use (as the server is before a run)."""
+    """This worker's engine, started and warmed by one utterance on first use (as the server is before a run),
+    on the server's `--cpus` if it has them: the two schemes then differ by the socket alone."""
     global _ENGINE
     if _ENGINE is None:
+        from ..affinity import pin_process
         from ..engine import OrpheusEngine
+        from ..server.serve import engine_config
 
-        _ENGINE = OrpheusEngine(_engine_config(serve_flags))
+        flags = _serve_parser().parse_args(shlex.split(serve_flags))
+        if flags.cpus is not None:
+            pin_process(flags.cpus)
+        _ENGINE = OrpheusEngine(engine_config(flags))
         await _warm(_ENGINE)
     return _ENGINE
 
@@ -216,12 +222,6 @@ def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orpheus-tts serve", add_help=False)
     serve.add_arguments(p)
     return p
-
-
-def _engine_config(serve_flags: str) -> Any:
-    from ..server.serve import engine_config
-
-    return engine_config(_serve_parser().parse_args(shlex.split(serve_flags)))
 
 
 def _free_port() -> int:

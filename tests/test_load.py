@@ -77,8 +77,9 @@ def test_load_beyond_the_servers_capacity_shows_as_rejections(
 def test_load_can_start_its_own_server_and_run_the_same_load_in_process(test_model_dir: Path, tmp_path: Path) -> None:
     serve = (
         f"--backend synthetic --model '' --snac {test_model_dir / 'snac'} --device cpu --token-rate 400 "
-        f"--frames-per-token 64 --budget-per-char 2 --budget-base 0 --cpus {max(os.sched_getaffinity(0))}"
-    )  # the in-process scheme's worker pins itself to the server's --cpus
+        f"--frames-per-token 64 --budget-per-char 2 --budget-base 0 --cpus {max(os.sched_getaffinity(0))} "
+        "--api-key k1 --api-key k2"
+    )  # the in-process scheme's worker pins itself to the server's --cpus; the clients send its first key
     result = run(
         LoadOptions(
             serve=serve,

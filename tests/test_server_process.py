@@ -159,3 +159,27 @@ async def test_serve_with_cpus_runs_every_thread_on_them_and_speaks(
         assert f"on CPUs {cpu}" in (tmp_path / "s.log").read_text()
     finally:
         await remote.aclose()
+
+
+def test_serve_off_loopback_without_a_key_warns_in_one_line_and_with_one_does_not(
+    test_model_dir: Path, tmp_path: Path
+) -> None:
+    for extra, warned in (((), True), (("--api-key", "k"), False)):
+        port = free_port()
+        args = [*serve_args(test_model_dir / "snac", port, "fast", *extra), "--host", "0.0.0.0"]
+        log = tmp_path / f"serve-{warned}.log"
+        with serve_process(args, log):
+            pass
+        warnings = [line for line in log.read_text().splitlines() if "warning: 0.0.0.0 is not a loopback" in line]
+        assert len(warnings) == int(warned), log.read_text()
+
+
+def test_serve_with_an_unreadable_key_file_fails_in_one_line(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "orpheus_tts_plugin.cli", "serve", "--backend", "synthetic", "--model", "",
+         "--api-key-file", str(tmp_path / "missing")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith(f"orpheus-tts serve: error: cannot read the API key file {tmp_path / 'missing'}: No such")

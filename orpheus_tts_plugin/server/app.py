@@ -11,24 +11,30 @@ from ..errors import missing_extra
 
 try:
     from fastapi import FastAPI, Request, WebSocket
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException
+    from starlette.types import ASGIApp, Receive, Scope, Send
 except ImportError as exc:
     raise missing_extra("server", "orpheus-tts serve", exc) from None
 
 from . import protocol
+from .http_errors import error_json
 from .mux import Mux
+from .policy import Policy, bearer
 from .service import Service
 from .speech import speech
 
 STATUS_INTERVAL_S = 0.25  # how often load changes are pushed to WebSocket clients
 
 
-def create_app(engine: OrpheusEngine, *, own_engine: bool = True) -> FastAPI:
-    """An app serving `engine`; it starts loading the engine on start-up and, if `own_engine`, closes it on exit.
+def create_app(engine: OrpheusEngine, *, own_engine: bool = True, policy: Policy | None = None) -> FastAPI:
+    """An app serving `engine` under `policy` (keys, limits); it starts loading the engine on start-up and, if
+    `own_engine`, closes it on exit.
 
     `app.state.service` is the `Service` (drain, readiness, metrics) that `serve.py` drives.
     """
-    service = Service(engine)
+    service = Service(engine, policy)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -45,6 +51,15 @@ def create_app(engine: OrpheusEngine, *, own_engine: bool = True) -> FastAPI:
 
     app = FastAPI(title="orpheus-tts serve", lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(KeyGuard, service=service)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> Response:
+        return error_json(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> Response:
+        return error_json(422, "; ".join(str(e.get("msg", e)) for e in exc.errors()) or "invalid request")
 
     @app.websocket(protocol.WS_PATH)
     async def stream(websocket: WebSocket) -> None:
@@ -52,7 +67,7 @@ def create_app(engine: OrpheusEngine, *, own_engine: bool = True) -> FastAPI:
 
     @app.post("/v1/audio/speech")
     async def audio_speech(request: Request) -> Response:
-        return await speech(request, service)
+        return await speech(request, service, request.scope.get("orpheus.key"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -76,3 +91,36 @@ def create_app(engine: OrpheusEngine, *, own_engine: bool = True) -> FastAPI:
         return JSONResponse(service.stats())
 
     return app
+
+
+class KeyGuard:
+    """ASGI middleware: an HTTP request to a guarded path without its key gets 401 (OpenAI's body) and is counted.
+
+    WebSocket connections pass: `Mux` checks their key (header or a first `auth` message). The key a request
+    was let in with is `scope["orpheus.key"]`, for the per-key stream count.
+    """
+
+    def __init__(self, app: ASGIApp, service: Service):
+        self.app = app
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        presented = bearer(_header(scope, b"authorization"))
+        why = self.service.policy.refuses(scope["path"], presented)
+        if why is not None:
+            self.service.metrics.auth_failures.labels("http").inc()
+            await error_json(401, f"{why}: send it as 'Authorization: Bearer KEY'")(scope, receive, send)
+            return
+        if self.service.policy.api_keys:
+            scope["orpheus.key"] = presented
+        await self.app(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None

@@ -108,16 +108,18 @@ class RemoteEngine:
         ssl: ssl_module.SSLContext | None = None,
         connect_timeout_s: float = 5.0,
         backoff_s: tuple[float, float] = (0.05, 2.0),
+        api_key: str | None = None,
     ):
         """`url`: ws://HOST:PORT (or wss://, http(s)://, unix:/PATH); `ssl` for wss with a private CA;
         `connect_timeout_s`: how long start() and a call wait for a connection; `backoff_s`: first and
-        longest wait between reconnection attempts."""
+        longest wait between reconnection attempts; `api_key`: the server's key (default $ORPHEUS_API_KEY)."""
         endpoint(url)  # a malformed URL fails here, not in the background
         self.config = RemoteConfig(url, model, model_family)
         self.spec: ModelSpec = spec_for(model_family)  # replaced at each hello (connection's loop writes)
         self.sampling = SamplingParams()  # the server's defaults, replaced at each hello
         self._sentence_max_chars = EngineConfig().sentence_max_chars  # the server's, replaced at each hello
         self._ssl = ssl
+        self._api_key = api_key  # None: Connection.open takes $ORPHEUS_API_KEY
         self._connect_timeout_s = connect_timeout_s
         self._backoff = backoff_s
         self._lock = threading.Lock()  # guards _thread, _closed, _counters
@@ -313,6 +315,7 @@ class RemoteEngine:
                 conn = await Connection.open(
                     self.config.url,
                     ssl=self._ssl,
+                    api_key=self._api_key,
                     timeout_s=self._connect_timeout_s,
                     on_status=self._on_status,
                     on_close=self._on_close,

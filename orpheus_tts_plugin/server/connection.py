@@ -7,6 +7,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
 import ssl as ssl_module
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from ..mailbox import Mailbox
 from . import protocol
 
 log = logging.getLogger(__name__)
+
+API_KEY_ENV = "ORPHEUS_API_KEY"  # the key a client sends when none is given
 
 Item = AudioChunk | BaseException | None  # a chunk; the error that ends a stream; None: ended, no more audio
 Deliver = Callable[[Item], None]
@@ -112,8 +115,11 @@ class Connection:
         timeout_s: float = 5.0,
         on_status: Callable[[dict], None] | None = None,
         on_close: Callable[[str], None] | None = None,
+        api_key: str | None = None,
     ) -> Connection:
-        """Connect and wait for the server's hello; EngineError if it cannot be reached or is not a serve endpoint."""
+        """Connect (sending `api_key`, default $ORPHEUS_API_KEY, as `Authorization: Bearer`) and wait for the
+        server's hello; EngineError if it cannot be reached, refuses the key, or is not a serve endpoint."""
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         uri, path = endpoint(url)
         options: dict[str, Any] = {
             "compression": None,  # deflate on PCM costs CPU and saves little
@@ -124,6 +130,8 @@ class Connection:
         }
         if uri.startswith("wss:"):
             options["ssl"] = ssl or ssl_module.create_default_context()
+        if api_key is not None:
+            options["additional_headers"] = {"Authorization": f"Bearer {api_key}"}
 
         async def handshake() -> tuple[ClientConnection, protocol.Hello, dict[str, Any]]:
             ws = await (unix_connect(path, uri, **options) if path else connect(uri, **options))

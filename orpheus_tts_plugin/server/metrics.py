@@ -64,6 +64,14 @@ class Metrics:
             registry=reg,
         )
         self.connections = Gauge("orpheus_ws_connections", "Open WebSocket connections", registry=reg)
+        self.auth_failures = Counter(
+            "orpheus_auth_failures", "Requests and connections refused for a missing or wrong API key", ["transport"],
+            registry=reg,
+        )  # fmt: skip
+        self.over_limit = Counter(
+            "orpheus_requests_over_limit", "Requests refused as over a size, length or nesting limit", ["transport"],
+            registry=reg,
+        )  # fmt: skip
         reg.register(_EngineCollector(stats))
 
     def render(self) -> tuple[bytes, str]:

@@ -13,6 +13,7 @@ from starlette.websockets import WebSocket
 
 from ..errors import EngineError
 from . import protocol
+from .policy import StreamLimitError, bearer
 from .service import Service
 
 log = logging.getLogger(__name__)
@@ -33,10 +34,13 @@ class Mux:
         self._out: collections.deque[str | bytes] = collections.deque()
         self._wake = asyncio.Event()
         self._open = True
+        self.key: str | None = None  # the API key this connection authenticated with (None: the server has none)
 
     async def run(self) -> None:
         """Serve the connection until the client goes away; every stream still open is then aborted."""
         await self.ws.accept()
+        if not await self._authenticate():
+            return
         self.send(protocol.encode(self.service.hello().message()))
         self.send(protocol.encode(self.service.status()))
         writer = asyncio.create_task(self._write(), name="orpheus-ws-writer")
@@ -61,12 +65,42 @@ class Mux:
             writer.cancel()
             await asyncio.gather(writer, *tasks, return_exceptions=True)
 
+    async def _authenticate(self) -> bool:
+        """With API keys: the key from the `Authorization: Bearer` header or, without one, from an `auth`
+        message within `auth_timeout_s`; a missing or wrong key closes the connection with 1008."""
+        policy = self.service.policy
+        if not policy.api_keys:
+            return True
+        presented = bearer(self.ws.headers.get("authorization"))
+        if presented is None:
+            presented = await self._auth_message(policy.auth_timeout_s)
+        if policy.key_accepted(presented):
+            self.key = presented
+            return True
+        self.service.metrics.auth_failures.labels("ws").inc()
+        why = "no API key given" if presented is None else "the API key is not valid"
+        with contextlib.suppress(Exception):  # the client may be gone already
+            await self.ws.close(code=1008, reason=why)
+        return False
+
+    async def _auth_message(self, timeout_s: float) -> str | None:
+        """The key of a first `{"type": "auth", "key": KEY}` message (None if another message, none in time)."""
+        try:
+            message = await asyncio.wait_for(self.ws.receive(), timeout_s)
+            reply = protocol.decode(message.get("text") or "")
+        except (asyncio.TimeoutError, ValueError):
+            return None
+        key = reply.get("key")
+        return key if reply["type"] == "auth" and isinstance(key, str) else None
+
     # ---------------------------------------------------------------- incoming
     def _handle(self, text: str) -> None:
         received = time.perf_counter()
         sid: int | None = None
+        policy = self.service.policy
         try:
             message = protocol.decode(text)
+            policy.check_depth(message)
             kind = message["type"]
             if kind == "stats":
                 self.send(protocol.encode({"type": "stats", "req": message.get("req"), "stats": self.service.stats()}))
@@ -75,13 +109,22 @@ class Mux:
             if kind == "cancel":
                 self._cancel(sid)
             elif kind == "start":
-                if sid in self._tasks:
-                    raise protocol.ProtocolError(f"stream id {sid} is already in use on this connection")
+                if sid in self._tasks:  # refused as the connection's: an error with this id would end the live one
+                    sid = None
+                    raise protocol.ProtocolError(f"stream id {message['id']} is already in use on this connection")
                 request = protocol.Start.parse(message)
+                policy.check_text(request.text)
+                limit = policy.connection_streams(self.service.engine.config.max_streams)
+                if len(self._tasks) >= limit:
+                    raise StreamLimitError(
+                        f"this connection has {limit} streams open, its limit on this server"
+                        " (serve --streams-per-connection)"
+                    )
                 self._tasks[sid] = asyncio.create_task(self._pump(sid, request, received))
             else:
                 raise protocol.ProtocolError(f"unknown message type {kind!r}")
-        except (ValueError, TypeError) as exc:  # ProtocolError is a ValueError: the client sent something wrong
+        except (ValueError, TypeError, StreamLimitError) as exc:  # ProtocolError is a ValueError: the client's fault
+            self.service.refused(exc, "ws")
             self._refuse(sid, exc)
 
     def _cancel(self, sid: int) -> None:
@@ -95,7 +138,7 @@ class Mux:
         """Send one stream's audio; exactly one terminal message (FINAL frame, end or error) unless cancelled."""
         final = False
         try:
-            async for chunk in self.service.speak(request, "ws", received):
+            async for chunk in self.service.speak(request, "ws", received, self.key):
                 final = chunk.final
                 self.send(protocol.audio_frame(sid, chunk))
             if not final:

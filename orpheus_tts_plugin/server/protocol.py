@@ -73,12 +73,20 @@ def encode(message: dict[str, Any]) -> str:
     return json.dumps(message, separators=(",", ":"))
 
 
-def decode(text: str) -> dict[str, Any]:
-    """A text message as a dict with a string `type`; ProtocolError otherwise."""
+def parse_json(data: str | bytes) -> Any:
+    """JSON text as Python values; ProtocolError for anything that is not JSON, nested past the parser's
+    recursion limit included (json raises RecursionError for that)."""
     try:
-        message = json.loads(text)
+        return json.loads(data)
     except ValueError as exc:
         raise ProtocolError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("not JSON this server parses: nested too deeply") from None
+
+
+def decode(text: str) -> dict[str, Any]:
+    """A text message as a dict with a string `type`; ProtocolError otherwise."""
+    message = parse_json(text)
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ProtocolError("a message must be a JSON object with a string 'type'")
     return message

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..affinity import cpu_list, pin_process
 from ..config import BACKENDS, DECODERS, EngineConfig, SyntheticConfig
 from ..errors import missing_extra
+from .policy import KEYS_ENV, Policy, load_keys
 
 if TYPE_CHECKING:
     import uvicorn
@@ -59,6 +60,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssl-certfile", default=None, help="serve TLS (wss://, https://) with this certificate")
     p.add_argument("--ssl-keyfile", default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM: seconds open streams may take to end")
+    limits = Policy()
+    g = p.add_argument_group("keys and limits (docs/serving.md, Deploying)")
+    g.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help=f"a key clients must send (Authorization: Bearer KEY); repeatable; also ${KEYS_ENV} (comma-separated)",
+    )  # fmt: skip
+    g.add_argument("--api-key-file", default=None, metavar="PATH", help="keys, one per line (# comments)")
+    g.add_argument("--metrics-key", default=None, help="/metrics needs this key (default: /metrics is open)")
+    g.add_argument("--max-chars", type=int, default=limits.max_chars, help="characters of text per request")
+    g.add_argument(
+        "--max-message-bytes", type=int, default=limits.max_message_bytes,
+        help="bytes of a WebSocket message or an HTTP body",
+    )  # fmt: skip
+    g.add_argument("--max-json-depth", type=int, default=limits.max_json_depth, help="nesting of a JSON request")
+    g.add_argument(
+        "--streams-per-connection", type=int, default=None, metavar="N",
+        help="open streams one WebSocket may hold (default: --max-streams; half of it with several keys)",
+    )  # fmt: skip
+    g.add_argument(
+        "--streams-per-key", type=int, default=None, metavar="N",
+        help="open streams one key may hold (default: --max-streams; half of it with several keys)",
+    )  # fmt: skip
+    g.add_argument(
+        "--auth-timeout", type=float, default=limits.auth_timeout_s,
+        help="seconds a WebSocket without the key in its headers has to send its `auth` message",
+    )  # fmt: skip
+    g.add_argument(
+        "--header-timeout", type=float, default=limits.header_timeout_s,
+        help="seconds a new connection has to send its first request's headers",
+    )  # fmt: skip
     p.add_argument(
         "--cpus", type=cpu_list, default=None, metavar="LIST",
         help="run the server on these CPUs only, e.g. 3 or 0-3,6 (taskset's list): its threads share one "
@@ -87,6 +118,35 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def policy(args: argparse.Namespace) -> Policy:
+    """The Policy that the `serve` flags (and ORPHEUS_API_KEYS) describe; ValueError in one line."""
+    return Policy(
+        api_keys=load_keys(args.api_key, args.api_key_file),
+        metrics_key=args.metrics_key,
+        max_chars=args.max_chars,
+        max_message_bytes=args.max_message_bytes,
+        max_json_depth=args.max_json_depth,
+        streams_per_connection=args.streams_per_connection,
+        streams_per_key=args.streams_per_key,
+        auth_timeout_s=args.auth_timeout,
+        header_timeout_s=args.header_timeout,
+    )
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` names only this machine (a name is resolved; one that does not resolve is not)."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+        return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
 def _uvicorn() -> Any:
     try:
         import uvicorn
@@ -95,12 +155,51 @@ def _uvicorn() -> Any:
     return uvicorn
 
 
-def uvicorn_config(app: Any, **options: Any) -> uvicorn.Config:
+def uvicorn_config(app: Any, policy: Policy | None = None, **options: Any) -> uvicorn.Config:
     """uvicorn settings for a latency-bound audio server (no per-message deflate on PCM, a short grace
-    period after our own drain); `options` go to uvicorn.Config (host, port, uds, ssl_*, log_level)."""
+    period after our own drain) under `policy` (message size, header timeout); `options` go to
+    uvicorn.Config (host, port, uds, ssl_*, log_level)."""
     uvicorn = _uvicorn()
+    policy = policy or Policy()
     options.setdefault("log_level", "warning")
-    return uvicorn.Config(app, ws_per_message_deflate=False, timeout_graceful_shutdown=2, lifespan="on", **options)
+    return uvicorn.Config(
+        app,
+        ws_per_message_deflate=False,
+        ws_max_size=policy.max_message_bytes,
+        http=header_timeout_protocol(policy.header_timeout_s),
+        timeout_graceful_shutdown=2,
+        lifespan="on",
+        **options,
+    )
+
+
+def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (h11 or httptools, as uvicorn picks) that closes a connection whose first
+    request's headers have not arrived within `timeout_s`: half-open and trickling sockets hold nothing.
+
+    uvicorn itself times out only idle keep-alive connections (after a response), never a new one.
+    """
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    base: type[asyncio.Protocol] = import_from_string(HTTP_PROTOCOLS["auto"])
+
+    class HeaderTimeoutProtocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self._orpheus_timer = self.loop.call_later(timeout_s, self._orpheus_no_request)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._orpheus_timer.cancel()
+            super().connection_lost(exc)
+
+        def _orpheus_no_request(self) -> None:
+            # `cycle` is set once a request's headers are in; after a WebSocket upgrade the transport has a
+            # new protocol, and the connection is the WebSocket's (its pings time it out).
+            if self.cycle is None and self.transport.get_protocol() is self and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
 
 
 def draining_server(config: uvicorn.Config, service: Service, drain_timeout_s: float) -> uvicorn.Server:
@@ -163,6 +262,7 @@ def draining_server(config: uvicorn.Config, service: Service, drain_timeout_s: f
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run `orpheus-tts serve` until SIGTERM/SIGINT, then drain and exit."""
+    rules = policy(args)
     if args.cpus is not None:  # before torch loads, so that its thread pool is sized for these CPUs
         pin_process(args.cpus)
     from ..engine import OrpheusEngine
@@ -170,9 +270,10 @@ def serve_main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = OrpheusEngine(engine_config(args))
-    app = create_app(engine)
+    app = create_app(engine, policy=rules)
     config = uvicorn_config(
         app,
+        rules,
         host=args.host,
         port=args.port,
         uds=args.uds,
@@ -184,6 +285,13 @@ def serve_main(args: argparse.Namespace) -> int:
     where = args.uds or f"{args.host}:{args.port}"
     pinned = f" on CPUs {','.join(map(str, sorted(args.cpus)))}" if args.cpus is not None else ""
     print(f"orpheus-tts serve: listening on {where}{pinned}", file=sys.stderr, flush=True)
+    if args.uds is None and not rules.api_keys and not _loopback(args.host):
+        print(
+            f"orpheus-tts serve: warning: {args.host} is not a loopback address and no API key is set: anyone who"
+            " can reach it may use this engine (--api-key, --api-key-file or $" + KEYS_ENV + ")",
+            file=sys.stderr,
+            flush=True,
+        )
     server.run()
     return server.exit_code
 
@@ -200,12 +308,18 @@ class ServerThread:
 
 @contextlib.contextmanager
 def serving_in_thread(
-    engine: OrpheusEngine, *, uds: str | None = None, own_engine: bool = True, drain_timeout_s: float = 30.0
+    engine: OrpheusEngine,
+    *,
+    uds: str | None = None,
+    own_engine: bool = True,
+    drain_timeout_s: float = 30.0,
+    policy: Policy | None = None,
 ) -> Iterator[ServerThread]:
-    """Serve `engine` on a free loopback port (or on `uds`) from a thread; stopped (not drained) on exit."""
+    """Serve `engine` under `policy` on a free loopback port (or on `uds`) from a thread; stopped (not drained)
+    on exit."""
     from .app import create_app
 
-    app = create_app(engine, own_engine=own_engine)
+    app = create_app(engine, own_engine=own_engine, policy=policy)
     sockets: list[socket.socket] = []
     if uds is None:
         sock = socket.socket()
@@ -216,7 +330,7 @@ def serving_in_thread(
         url, http_url = f"ws://{host}:{port}", f"http://{host}:{port}"
     else:
         url, http_url = f"unix:{uds}", ""
-    server = draining_server(uvicorn_config(app, uds=uds), app.state.service, drain_timeout_s)
+    server = draining_server(uvicorn_config(app, policy, uds=uds), app.state.service, drain_timeout_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets or None}, name="orpheus-serve", daemon=True)
     thread.start()
     while not server.started:

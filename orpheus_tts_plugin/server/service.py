@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -14,6 +15,7 @@ from ..errors import EngineError, EngineOverloadedError
 from ..spec import SAMPLE_RATE
 from . import protocol
 from .metrics import Metrics
+from .policy import LimitError, Policy, StreamLimitError
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +31,12 @@ class Subscriber(Protocol):
 class Service:
     """One engine behind the server; every method runs on the server's (uvicorn's) event loop."""
 
-    def __init__(self, engine: OrpheusEngine):
+    def __init__(self, engine: OrpheusEngine, policy: Policy | None = None):
         self.engine = engine
+        self.policy = policy or Policy()
         self.draining = False  # server loop only: set once by drain(), never cleared
         self.subscribers: set[Subscriber] = set()  # server loop only: the open WebSocket connections
+        self.key_streams: collections.Counter[str] = collections.Counter()  # server loop only: open streams by key
         self.metrics = Metrics(self.stats)
 
     # ---------------------------------------------------------------- what the server says about itself
@@ -101,13 +105,25 @@ class Service:
             await asyncio.sleep(interval_s)
 
     # ---------------------------------------------------------------- speaking
-    async def speak(self, request: protocol.Start, transport: str, received: float) -> AsyncGenerator[AudioChunk, None]:
-        """The engine's chunks for `request`, counted; `received` is when the request arrived (perf_counter)."""
+    async def speak(
+        self, request: protocol.Start, transport: str, received: float, key: str | None = None
+    ) -> AsyncGenerator[AudioChunk, None]:
+        """The engine's chunks for `request`, counted; `received` is when the request arrived (perf_counter),
+        `key` the API key it came with (its streams are counted against `Policy.streams_per_key`)."""
         m = self.metrics
         m.requests.labels(transport).inc()
+        held = False
         try:
             if self.draining:
                 raise EngineOverloadedError("server is draining: retry on another replica")
+            if key is not None:
+                limit = self.policy.key_streams(self.engine.config.max_streams)
+                if self.key_streams[key] >= limit:
+                    raise StreamLimitError(
+                        f"this API key has {limit} streams open, its limit on this server (serve --streams-per-key)"
+                    )
+                self.key_streams[key] += 1
+                held = True
             chunks = self.engine.synthesize(request.text, voice=request.voice, sampling=request.sampling)
             first = True
             async with contextlib.aclosing(chunks):
@@ -122,6 +138,21 @@ class Service:
         except (EngineError, ValueError, TypeError) as exc:
             m.errors.labels(transport, protocol.error_name(exc)).inc()
             raise
+        finally:
+            if held:
+                self.key_streams[key] -= 1
+                if not self.key_streams[key]:
+                    del self.key_streams[key]
+
+    def refused(self, exc: BaseException, transport: str) -> None:
+        """Count a request refused before it reached `speak` (malformed, over a limit)."""
+        self.metrics.requests.labels(transport).inc()
+        if isinstance(exc, EngineOverloadedError):
+            self.metrics.rejected.labels(transport).inc()
+            return
+        self.metrics.errors.labels(transport, protocol.error_name(exc)).inc()
+        if isinstance(exc, LimitError):
+            self.metrics.over_limit.labels(transport).inc()
 
     # ---------------------------------------------------------------- shutdown
     async def drain(self, timeout_s: float, poll_s: float = 0.02) -> bool:

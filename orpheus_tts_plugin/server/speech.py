@@ -13,13 +13,15 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from ..config import SAMPLING_FIELDS, SamplingOverrides
 from ..engine import AudioChunk
-from ..errors import EngineError, EngineFailedError, EngineOverloadedError
+from ..errors import EngineError
 from ..spec import SAMPLE_RATE
 from . import protocol
+from .http_errors import error_response
+from .policy import LimitError, Policy
 from .service import Service
 
 FORMATS = {"pcm": "audio/pcm", "wav": "audio/wav"}
@@ -68,36 +70,36 @@ def parse_body(body: Any) -> tuple[protocol.Start, str]:
     return protocol.Start(text, voice or None, sampling), fmt
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    """OpenAI's error shape: 400 for bad input, 503 (+ Retry-After) when overloaded or draining, 500 otherwise."""
-    if isinstance(exc, (ValueError, TypeError)):
-        status, kind = 400, "invalid_request_error"
-    elif isinstance(exc, EngineOverloadedError):
-        status, kind = 503, "overloaded"
-    elif isinstance(exc, EngineFailedError):
-        status, kind = 503, "server_error"
-    else:
-        status, kind = 500, "server_error"
-    headers = {"Retry-After": "1"} if status == 503 else None
-    body = {"error": {"message": str(exc), "type": kind, "code": protocol.error_name(exc)}}
-    return JSONResponse(body, status_code=status, headers=headers)
+async def read_json(request: Request, policy: Policy) -> Any:
+    """The request's JSON body, at most `max_message_bytes` and `max_json_depth` deep: LimitError or ValueError."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > policy.max_message_bytes:
+        raise LimitError(f"a body of {declared} bytes is over this server's limit of {policy.max_message_bytes}")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > policy.max_message_bytes:
+            raise LimitError(f"the body is over this server's limit of {policy.max_message_bytes} bytes")
+    value = protocol.parse_json(bytes(body))
+    policy.check_depth(value)
+    return value
 
 
-async def speech(request: Request, service: Service) -> Response:
-    """The endpoint: validate, wait for the first audio, then stream the rest."""
+async def speech(request: Request, service: Service, key: str | None) -> Response:
+    """The endpoint: validate, wait for the first audio, then stream the rest; `key`: the caller's API key."""
     received = time.perf_counter()
     try:
-        body = await request.json()
-    except ValueError as exc:
-        return error_response(ValueError(f"the request body is not JSON: {exc}"))
-    try:
-        start, fmt = parse_body(body)
+        start, fmt = parse_body(await read_json(request, service.policy))
+        if not start.text.strip():
+            raise ValueError("input must not be empty")
+        service.policy.check_text(start.text)
     except (ValueError, TypeError) as exc:
+        service.refused(exc, "http")
         return error_response(exc)
-    chunks = service.speak(start, "http", received)
+    chunks = service.speak(start, "http", received, key)
     try:
         first: AudioChunk | None = await chunks.__anext__()
-    except StopAsyncIteration:  # nothing to say (empty text): an empty, well-formed body
+    except StopAsyncIteration:  # nothing to say (text of tags or punctuation only): an empty, well-formed body
         first = None
     except (EngineError, ValueError, TypeError) as exc:
         return error_response(exc)

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import multiprocessing
+import os
 import shlex
 import socket
 import ssl
@@ -54,6 +55,7 @@ class LoadOptions:
     in_process: bool = False
     serve: str | None = None  # `orpheus-tts serve` flags: start that server for the run
     cafile: str | None = None  # wss: trust this certificate (default: the server's own, when started here)
+    api_key: str | None = None  # the server's key (default: $ORPHEUS_API_KEY, or `serve`'s first --api-key)
     ttfb_sla_ms: float = 250.0
     budget_per_char: float = 6.0  # the server's token budget: sizes variable traffic (see bench engine)
     budget_base: int = 0
@@ -346,6 +348,7 @@ def run(opts: LoadOptions) -> dict[str, Any]:
     meta = run_metadata()
     spawn = multiprocessing.get_context("spawn")
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_api_key(opts))
         url, cafile = opts.url, opts.cafile
         if opts.serve is not None:
             url, own_cert = stack.enter_context(_spawned_server(opts.serve))
@@ -375,6 +378,26 @@ def run(opts: LoadOptions) -> dict[str, Any]:
     return {"bench": "load", "meta": meta, "options": options, "points": points, "capacity": capacity(points)}
 
 
+@contextlib.contextmanager
+def _api_key(opts: LoadOptions) -> Iterator[None]:
+    """For the run: $ORPHEUS_API_KEY, which every connection of this process and of its workers sends, set to
+    `opts.api_key` or else the first `--api-key` of `opts.serve` (unchanged if neither)."""
+    from ..server.connection import API_KEY_ENV
+
+    served = _serve_parser().parse_args(shlex.split(opts.serve)).api_key if opts.serve else []
+    key = opts.api_key or (served[0] if served else None)
+    before = os.environ.get(API_KEY_ENV)
+    if key is not None:
+        os.environ[API_KEY_ENV] = key
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(API_KEY_ENV, None)
+        else:
+            os.environ[API_KEY_ENV] = before
+
+
 # ---------------------------------------------------------------------------------------------- command line
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v.strip())
@@ -396,6 +419,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve", default=None, help="start `orpheus-tts serve` with these flags for the run")
     p.add_argument("--in-process", action="store_true", help="also run the same load on an in-process engine")
     p.add_argument("--cafile", default=None, help="wss: trust this certificate")
+    p.add_argument(
+        "--api-key", default=None, help="the server's key (default: $ORPHEUS_API_KEY, or --serve's first --api-key)"
+    )
     p.add_argument("--ttfb-sla-ms", type=float, default=d.ttfb_sla_ms, help="p95 TTFB limit for capacity")
     p.add_argument("--budget-per-char", type=float, default=d.budget_per_char, help="the server's, for variable")
     p.add_argument("--budget-base", type=int, default=d.budget_base)

@@ -48,6 +48,8 @@ POLICY = Policy(
     max_json_depth=4,
     streams_per_connection=2,
     streams_per_key=3,
+    send_buffer_s=0.5,
+    slow_consumer_timeout_s=1.0,
     auth_timeout_s=0.3,
     header_timeout_s=0.5,
 )
@@ -60,7 +62,7 @@ def guarded(request: pytest.FixtureRequest, synthetic_config: EngineConfig) -> I
         synthetic_config, max_streams=8, token_budget_base=1_000_000, synthetic=Synthetic(pace, endless=True)
     )
     engine = OrpheusEngine(config)
-    with serving_in_thread(engine, policy=POLICY) as srv:
+    with serving_in_thread(engine, policy=POLICY, socket_send_buffer=16_384) as srv:
         asyncio.run(engine.start())
         yield srv
 
@@ -320,3 +322,31 @@ def test_sockets_that_never_finish_their_headers_are_closed_after_the_header_tim
     for sock in [*silent, trickling]:
         sock.close()
     assert http(guarded, "/health", key=None)[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------- backpressure
+async def test_a_client_that_stops_reading_gets_its_stream_ended_as_a_slow_consumer(guarded: ServerThread) -> None:
+    before = metric(guarded, "orpheus_slow_consumers_total")
+    host, port = guarded.http_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel holds little for a client that stalls
+    sock.connect((host, int(port)))
+    headers = {"Authorization": f"Bearer {KEY}"}
+    uri = guarded.url + protocol.WS_PATH
+    async with connect(uri, sock=sock, compression=None, proxy=None, additional_headers=headers, max_queue=1) as ws:
+        await next_of(ws, "hello")
+        await ws.send(protocol.encode(protocol.Start(TEXT, sampling=SamplingOverrides(max_tokens=10**6)).message(3)))
+        engine = guarded.service.engine
+        deadline = time.monotonic() + 60
+        while metric(guarded, "orpheus_slow_consumers_total") == before:  # not reading meanwhile
+            assert time.monotonic() < deadline, "the stalled stream was never ended"
+            await asyncio.sleep(0.2)
+        await until_idle(engine)
+        assert await terminals(ws, 3) == ["error"]  # after the audio it had queued, in order
+
+
+async def until_idle(engine: OrpheusEngine, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.stats()["active_streams"]:
+        assert time.monotonic() < deadline, "the engine stream was not aborted"
+        await asyncio.sleep(0.05)

@@ -124,6 +124,16 @@ def tts_server(serve_args: list[str], log_path: Path) -> Iterator[str]:
         yield f"ws://127.0.0.1:{port}"
 
 
+def cpu_steal_s() -> float | None:
+    """CPU seconds the hypervisor has taken from this VM's CPUs since boot (/proc/stat `steal`; None off Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
+
+
 def pinned_cpus() -> tuple[list[str], list[str]]:
     """`--cpus` for the agent (the first CPU) and for `serve` (the last): each process's threads share one
     interpreter lock, and spread over CPUs every hand-off of it wakes another (on a VM, a halted vCPU)."""
@@ -144,7 +154,9 @@ def run_demo(
     script = script or CallScript(question=lines["question"], barge_in=lines["barge_in"])
     with agent_server(server_args, out / f"server{name}.log") as base:
         ws_url = base.replace("http://", "ws://") + "/ws"
+        stolen = cpu_steal_s()
         report = asyncio.run(run_calls(ws_url, script, out / f"calls{name}", calls=calls))
+        report["host_cpu_steal_s"] = None if stolen is None else round(cpu_steal_s() - stolen, 2)
         report["server"] = settled_stats(base)
         sids = [c["stream_sid"] for c in report["calls"]]
         add_stages(report, {sid: get_json(f"{base}/calls/{sid}/moments") for sid in sids})
@@ -202,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, report in runs.items():
         print(f"--- {name} TTS")
         print_summary(report)
+        if report["host_cpu_steal_s"] is not None:  # a VM's neighbours: the demo's figures move with it
+            print(f"host CPU stolen by the hypervisor during the calls: {report['host_cpu_steal_s']:.1f} s")
         engine = report["server"]["engine"]
         print(
             f"engine: {report['server']['calls']['total']} calls, {engine.get('streams_started', 0)} streams, "

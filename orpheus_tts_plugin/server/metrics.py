@@ -68,6 +68,9 @@ class Metrics:
             "orpheus_auth_failures", "Requests and connections refused for a missing or wrong API key", ["transport"],
             registry=reg,
         )  # fmt: skip
+        self.slow_consumers = Counter(
+            "orpheus_slow_consumers", "WebSocket streams ended because their client left its audio unread", registry=reg
+        )
         self.over_limit = Counter(
             "orpheus_requests_over_limit", "Requests refused as over a size, length or nesting limit", ["transport"],
             registry=reg,

@@ -12,11 +12,14 @@ from typing import Any
 from starlette.websockets import WebSocket
 
 from ..errors import EngineError
+from ..spec import SAMPLE_RATE
 from . import protocol
-from .policy import StreamLimitError, bearer
+from .policy import SlowConsumerError, StreamLimitError, bearer
 from .service import Service
 
 log = logging.getLogger(__name__)
+
+BYTES_PER_S = 2 * SAMPLE_RATE  # int16 mono
 
 
 class Mux:
@@ -31,7 +34,9 @@ class Mux:
         self.service = service
         self._tasks: dict[int, asyncio.Task[None]] = {}  # live streams by client stream id
         self._cancelled: set[int] = set()  # ids whose cancel arrived while their task still runs
-        self._out: collections.deque[str | bytes] = collections.deque()
+        self._out: collections.deque[tuple[int | None, str | bytes]] = collections.deque()  # (audio's stream, item)
+        self._unsent: collections.Counter[int] = collections.Counter()  # audio bytes queued, by stream
+        self._progress: dict[int, asyncio.Event] = {}  # set by the writer as it sends a waiting stream's audio
         self._wake = asyncio.Event()
         self._open = True
         self.key: str | None = None  # the API key this connection authenticated with (None: the server has none)
@@ -140,13 +145,16 @@ class Mux:
         try:
             async for chunk in self.service.speak(request, "ws", received, self.key):
                 final = chunk.final
-                self.send(protocol.audio_frame(sid, chunk))
+                self.send(protocol.audio_frame(sid, chunk), stream=sid)
+                await self._reader_keeps_up(sid)
             if not final:
                 self.send(protocol.encode(protocol.end(sid)))
         except asyncio.CancelledError:
             if sid in self._cancelled and self._open:
                 self.send(protocol.encode(protocol.end(sid, cancelled=True)))
         except (EngineError, ValueError, TypeError) as exc:
+            if isinstance(exc, SlowConsumerError):
+                self.service.metrics.slow_consumers.inc()
             self._refuse(sid, exc)
         except Exception as exc:  # noqa: BLE001 - a bug here must end this stream, not the connection
             log.exception("stream %d failed", sid)
@@ -154,12 +162,34 @@ class Mux:
         finally:
             self._cancelled.discard(sid)
             self._tasks.pop(sid, None)
+            self._progress.pop(sid, None)
+
+    async def _reader_keeps_up(self, sid: int) -> None:
+        """Return while the client has less than `send_buffer_s` of this stream's audio unsent; else wait (the
+        stream stops taking audio from the engine) until it reads, SlowConsumerError if it sends none of it for
+        `slow_consumer_timeout_s`."""
+        policy = self.service.policy
+        bound = int(policy.send_buffer_s * BYTES_PER_S)
+        while self._unsent[sid] > bound:
+            progress = self._progress.setdefault(sid, asyncio.Event())
+            progress.clear()
+            try:
+                await asyncio.wait_for(progress.wait(), policy.slow_consumer_timeout_s)
+            except asyncio.TimeoutError:
+                unsent = self._unsent[sid] / BYTES_PER_S
+                raise SlowConsumerError(
+                    f"slow consumer: {unsent:.1f} s of this stream's audio unread for "
+                    f"{policy.slow_consumer_timeout_s:g} s"
+                ) from None
 
     # ---------------------------------------------------------------- outgoing
-    def send(self, message: str | bytes) -> None:
-        """Queue a message for the writer (in order); dropped once the connection is closed."""
+    def send(self, message: str | bytes, stream: int | None = None) -> None:
+        """Queue a message for the writer (in order; `stream`: the stream whose audio it is); dropped once the
+        connection is closed."""
         if self._open:
-            self._out.append(message)
+            self._out.append((stream, message))
+            if stream is not None:
+                self._unsent[stream] += len(message)
             self._wake.set()
 
     def _refuse(self, sid: int | None, exc: BaseException) -> None:
@@ -167,6 +197,13 @@ class Mux:
 
     def on_status(self, message: dict[str, Any]) -> None:
         self.send(protocol.encode(message))
+
+    def _sent(self, stream: int, size: int) -> None:
+        self._unsent[stream] -= size
+        if self._unsent[stream] <= 0:
+            del self._unsent[stream]
+        if (progress := self._progress.get(stream)) is not None:
+            progress.set()
 
     async def flushed(self) -> None:
         """Return once every queued message has been handed to the socket (or the connection is gone)."""
@@ -180,8 +217,10 @@ class Mux:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._out:
-                    item = self._out.popleft()
+                    stream, item = self._out.popleft()
                     if isinstance(item, bytes):
                         await send({"type": "websocket.send", "bytes": item})
                     else:
                         await send({"type": "websocket.send", "text": item})
+                    if stream is not None:
+                        self._sent(stream, len(item))

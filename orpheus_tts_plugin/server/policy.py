@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import check_int, check_number
-from ..errors import EngineOverloadedError
+from ..errors import EngineError, EngineOverloadedError
 
 KEYS_ENV = "ORPHEUS_API_KEYS"  # comma-separated keys, added to --api-key and --api-key-file
 OPEN_PATHS = frozenset({"/health", "/ready"})  # answered without a key (probes); /metrics too unless metrics_key
@@ -28,6 +28,10 @@ class StreamLimitError(EngineOverloadedError):
     """A client at its share of the streams (per connection or per key): HTTP 429, retryable."""
 
 
+class SlowConsumerError(EngineError):
+    """A client that left a stream's audio unread too long: the stream ends so that it holds no engine row."""
+
+
 @dataclass(frozen=True)
 class Policy:
     """The server's admission rules; immutable, read from any thread."""
@@ -39,6 +43,8 @@ class Policy:
     max_json_depth: int = 8  # nesting of objects and lists in a request
     streams_per_connection: int | None = None  # open streams per WebSocket; None: fair_share()
     streams_per_key: int | None = None  # open streams per key; None: fair_share()
+    send_buffer_s: float = 5.0  # seconds of a stream's audio the server queues for a client that does not read
+    slow_consumer_timeout_s: float = 10.0  # a stream whose full buffer is not read for this long ends
     auth_timeout_s: float = 5.0  # a WebSocket without the key in its headers must send `auth` within this
     header_timeout_s: float = 10.0  # a connection must complete its first request's headers within this
 
@@ -50,7 +56,7 @@ class Policy:
         for name in ("streams_per_connection", "streams_per_key"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
-        for name in ("auth_timeout_s", "header_timeout_s"):
+        for name in ("send_buffer_s", "slow_consumer_timeout_s", "auth_timeout_s", "header_timeout_s"):
             check_number(name, getattr(self, name), lo=0.0, lo_open=True)
 
     def key_accepted(self, presented: str | None) -> bool:

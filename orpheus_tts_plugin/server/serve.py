@@ -83,6 +83,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="open streams one key may hold (default: --max-streams; half of it with several keys)",
     )  # fmt: skip
     g.add_argument(
+        "--send-buffer", type=float, default=limits.send_buffer_s, metavar="SECONDS",
+        help="audio a stream may have queued for a client that does not read, before it stops taking more",
+    )  # fmt: skip
+    g.add_argument(
+        "--slow-consumer-timeout", type=float, default=limits.slow_consumer_timeout_s, metavar="SECONDS",
+        help="a stream whose client reads none of its full buffer for this long ends with an error",
+    )  # fmt: skip
+    g.add_argument(
         "--auth-timeout", type=float, default=limits.auth_timeout_s,
         help="seconds a WebSocket without the key in its headers has to send its `auth` message",
     )  # fmt: skip
@@ -128,6 +136,8 @@ def policy(args: argparse.Namespace) -> Policy:
         max_json_depth=args.max_json_depth,
         streams_per_connection=args.streams_per_connection,
         streams_per_key=args.streams_per_key,
+        send_buffer_s=args.send_buffer,
+        slow_consumer_timeout_s=args.slow_consumer_timeout,
         auth_timeout_s=args.auth_timeout,
         header_timeout_s=args.header_timeout,
     )
@@ -314,9 +324,11 @@ def serving_in_thread(
     own_engine: bool = True,
     drain_timeout_s: float = 30.0,
     policy: Policy | None = None,
+    socket_send_buffer: int | None = None,
 ) -> Iterator[ServerThread]:
     """Serve `engine` under `policy` on a free loopback port (or on `uds`) from a thread; stopped (not drained)
-    on exit."""
+    on exit. `socket_send_buffer`: SO_SNDBUF of its connections (a test's stalled client then fills it at once,
+    where loopback's autotuned buffer would hold megabytes)."""
     from .app import create_app
 
     app = create_app(engine, own_engine=own_engine, policy=policy)
@@ -324,6 +336,8 @@ def serving_in_thread(
     if uds is None:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if socket_send_buffer is not None:  # accepted connections inherit it
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, socket_send_buffer)
         sock.bind(("127.0.0.1", 0))
         sockets.append(sock)
         host, port = sock.getsockname()[:2]

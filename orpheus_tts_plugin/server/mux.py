@@ -143,10 +143,11 @@ class Mux:
         """Send one stream's audio; exactly one terminal message (FINAL frame, end or error) unless cancelled."""
         final = False
         try:
-            async for chunk in self.service.speak(request, "ws", received, self.key):
-                final = chunk.final
-                self.send(protocol.audio_frame(sid, chunk), stream=sid)
-                await self._reader_keeps_up(sid)
+            async with contextlib.aclosing(self.service.speak(request, "ws", received, self.key)) as chunks:
+                async for chunk in chunks:  # leaving early (a slow consumer) closes the engine stream at once
+                    final = chunk.final
+                    self.send(protocol.audio_frame(sid, chunk), stream=sid)
+                    await self._reader_keeps_up(sid)
             if not final:
                 self.send(protocol.encode(protocol.end(sid)))
         except asyncio.CancelledError:

@@ -13,6 +13,7 @@ try:
     from fastapi import FastAPI, Request, WebSocket
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
+    from starlette.datastructures import Headers
     from starlette.exceptions import HTTPException
     from starlette.types import ASGIApp, Receive, Scope, Send
 except ImportError as exc:
@@ -108,7 +109,7 @@ class KeyGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        presented = bearer(_header(scope, b"authorization"))
+        presented = bearer(Headers(scope=scope).get("authorization"))
         why = self.service.policy.refuses(scope["path"], presented)
         if why is not None:
             self.service.metrics.auth_failures.labels("http").inc()
@@ -117,10 +118,3 @@ class KeyGuard:
         if self.service.policy.api_keys:
             scope["orpheus.key"] = presented
         await self.app(scope, receive, send)
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key == name:
-            return value.decode("latin-1")
-    return None

@@ -79,11 +79,11 @@ class Mux:
         presented = bearer(self.ws.headers.get("authorization"))
         if presented is None:
             presented = await self._auth_message(policy.auth_timeout_s)
-        if policy.key_accepted(presented):
+        why = policy.refuses(protocol.WS_PATH, presented)
+        if why is None:
             self.key = presented
             return True
         self.service.metrics.auth_failures.labels("ws").inc()
-        why = "no API key given" if presented is None else "the API key is not valid"
         with contextlib.suppress(Exception):  # the client may be gone already
             await self.ws.close(code=1008, reason=why)
         return False

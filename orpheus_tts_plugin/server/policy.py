@@ -68,7 +68,11 @@ class Policy:
         /metrics needs `metrics_key` if one is set, else is open; every other path needs an API key, if any."""
         if path in OPEN_PATHS or (path == "/metrics" and self.metrics_key is None):
             return None
-        if self.key_accepted(presented) if path != "/metrics" else _matches(presented, {self.metrics_key or ""}):
+        if path == "/metrics":
+            accepted = _matches(presented, {self.metrics_key or ""})
+        else:
+            accepted = self.key_accepted(presented)
+        if accepted:
             return None
         return "no API key given" if presented is None else "the API key is not valid"
 

@@ -140,6 +140,7 @@ class EngineConfig:
     first_chunk_frames: int = 4  # frames before the first decode: 4 → 3,435 exact samples after 28 tokens
     decoder: str = "snac"  # snac | null (silence on the same schedule, for benchmarks)
     decode_batch_frames: int | None = None  # frames (rows × chunk) per decoder call; None: max_streams
+    decode_ahead_s: float | None = 0.5  # a stream this far ahead of real time is decoded several frames a call
     compile: bool = False  # torch.compile the decoder step; on CUDA also capture decoder and hf steps as graphs
     noise_seed: int = 0
     sentence_max_chars: int = 300
@@ -161,6 +162,8 @@ class EngineConfig:
         check_number("queue_timeout_s", self.queue_timeout_s, lo=0.0, lo_open=True)
         if self.decode_batch_frames is not None:
             check_int("decode_batch_frames", self.decode_batch_frames, 1)
+        if self.decode_ahead_s is not None:
+            check_number("decode_ahead_s", self.decode_ahead_s, lo=0.0)
         check_int("max_seq_len", self.max_seq_len, 2)
         check_int("first_chunk_frames", self.first_chunk_frames, 1)
         check_int("noise_seed", self.noise_seed, 0, SEED_LIMIT)

@@ -36,6 +36,7 @@ class FrameDecoder(Protocol):
     """What the engine's decoder thread drives (and only that thread): per-utterance states, decoded in batches."""
 
     first_chunk_frames: int
+    ahead_chunk_frames: int  # frames of one utterance a call is best given when its stream is ahead (1: no gain)
 
     def new_state(self) -> DecodeState:
         """State for a new utterance; frames go into its `pending`, `final` marks its end."""
@@ -144,6 +145,7 @@ class StreamingDecoder:
         if first_chunk_frames < 1 or max_streams < 1:
             raise ValueError("first_chunk_frames and max_streams must be >= 1")
         self.first_chunk_frames = first_chunk_frames
+        self.ahead_chunk_frames = first_chunk_frames  # a chunk length with its own buckets already
         self.snac = snac
         self.layers: list[Layer] = [] if snac is None else build_layers(snac)
         self.latency_samples = self.layers[-1].out_delay if self.layers else SNAC24_LATENCY

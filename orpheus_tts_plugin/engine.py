@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import math
 import threading
 import time
 import uuid
@@ -105,13 +106,14 @@ class SpeechEngine(Protocol):
 class _Stream:
     """Caller-side handle of one synthesize() stream; lives on the caller's event loop."""
 
-    __slots__ = ("box", "closed", "id", "loop", "samples", "task")
+    __slots__ = ("box", "closed", "first_audio_at", "id", "loop", "samples", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.id = uuid.uuid4().hex
         self.loop = loop
         self.closed = False  # set by the caller when it leaves early; read by every thread
         self.samples = 0  # written by the decoder thread only
+        self.first_audio_at: float | None = None  # monotonic time its first audio left the decoder (decoder thread)
         self.task: asyncio.Task[None] | None = None  # the engine-loop task generating its tokens (engine loop only)
         self.box: Mailbox[AudioChunk] = Mailbox()  # caller's loop only
 
@@ -141,7 +143,10 @@ class _DecodeWorker:
     """The decoder thread: each tick decodes the head utterance of every stream in batched calls and delivers.
 
     Only a stream's oldest unfinished utterance is decoded, so its sentences come out in order, each one
-    whole. `open`, `push`, `end` and `drop` run on the engine loop; everything else on the decoder thread.
+    whole. A stream whose delivered audio is more than `ahead_s` ahead of real time (counted from its
+    first audio) has its frames held until the decoder's `ahead_chunk_frames` are pending, or until it
+    is no longer that far ahead: a call of several frames costs less per frame (docs/benchmarks.md).
+    `open`, `push`, `end` and `drop` run on the engine loop; everything else on the decoder thread.
     """
 
     def __init__(
@@ -150,8 +155,11 @@ class _DecodeWorker:
         on_done: Callable[[_Stream], None],
         on_error: Callable[[_Stream, EngineError], None],
         on_dead: Callable[[BaseException], None],
+        ahead_s: float | None = None,
     ):
         self.decoder = decoder
+        self.ahead_s = math.inf if ahead_s is None else ahead_s  # None: never hold
+        self._ahead_frames = decoder.ahead_chunk_frames
         self._on_done, self._on_error, self._on_dead = on_done, on_error, on_dead
         self._cv = threading.Condition()
         self._queues: dict[_Stream, collections.deque[_Utterance]] = {}  # under _cv; insertion order
@@ -202,22 +210,30 @@ class _DecodeWorker:
         return self._thread.is_alive()
 
     # -- decoder thread --
-    def _collect(self) -> list[_Utterance]:
-        """Under the lock: free dropped states, take new frames, and list the heads that can be decoded now."""
+    def _collect(self) -> tuple[list[_Utterance], float]:
+        """Under the lock: free dropped states, take new frames, and list the heads that can be decoded now,
+        with the monotonic time at which a held head stops being held (inf if none is held)."""
         for utt in self._dropped:
             self.decoder.release(utt.state)
         self._dropped.clear()
         ready = []
         first = self.decoder.first_chunk_frames
+        now, release_at = time.monotonic(), math.inf
         for queue in self._queues.values():
             utt = queue[0]
             if utt.incoming:
                 utt.state.pending.extend(utt.incoming)
                 utt.incoming.clear()
             utt.state.final = utt.ended
-            if utt.state.ready(first):
+            if not utt.state.ready(first):
+                continue
+            stream = utt.stream
+            until = held_until(utt.state, stream.first_audio_at, stream.samples, self.ahead_s, self._ahead_frames)
+            if until > now:
+                release_at = min(release_at, until)
+            else:
                 ready.append(utt)
-        return ready
+        return ready, release_at
 
     def _main(self) -> None:
         try:
@@ -229,10 +245,10 @@ class _DecodeWorker:
     def _run(self) -> None:
         while True:
             with self._cv:
-                ready = self._collect()
+                ready, release_at = self._collect()
                 while self._running and not ready:
-                    self._cv.wait(self._idle_trim())
-                    ready = self._collect()
+                    self._cv.wait(self._wait_s(release_at))
+                    ready, release_at = self._collect()
                 if not self._running:
                     return
             self._tick(ready)
@@ -266,6 +282,8 @@ class _DecodeWorker:
                 if stream.closed or (audio.size == 0 and not final):
                     continue
                 chunk = AudioChunk(audio.tobytes(), stream.samples, final, SAMPLE_RATE, utt.index, utt.state.done)
+                if stream.first_audio_at is None and audio.size:
+                    stream.first_audio_at = time.monotonic()
                 stream.samples += audio.size
                 by_loop.setdefault(stream.loop, []).append((stream, chunk))
                 if final:
@@ -286,6 +304,14 @@ class _DecodeWorker:
                 self._dropped.extend(self._queues.pop(stream, ()))
             self._on_error(stream, EngineError("the caller's event loop is closed"))
 
+    def _wait_s(self, release_at: float) -> float | None:
+        """How long the idle decoder thread may sleep: until a held stream is released, or an idle trim is due."""
+        trim = self._idle_trim()
+        if release_at == math.inf:
+            return trim
+        held = max(0.0, release_at - time.monotonic())
+        return held if trim is None else min(held, trim)
+
     def _idle_trim(self) -> float | None:
         """With nothing to decode, hand the heap memory freed by decoding back to the OS (glibc keeps it
         otherwise), at most once a second; the seconds to wait before trying again, or None."""
@@ -297,6 +323,20 @@ class _DecodeWorker:
         self._trimmed_at, self._trimmed_tick = time.monotonic(), self.ticks
         _MALLOC_TRIM(0)
         return None
+
+
+def held_until(
+    state: DecodeState, first_audio_at: float | None, samples: int, ahead_s: float, ahead_frames: int
+) -> float:
+    """Monotonic time until which a ready utterance's pending frames wait for more (in the past: decode now).
+
+    They wait while its stream's delivered audio (`samples`, from its first audio at `first_audio_at`) is
+    more than `ahead_s` ahead of real time and fewer than `ahead_frames` are pending; a first chunk and an
+    utterance's end never wait.
+    """
+    if state.final or state.frames_in == 0 or first_audio_at is None or state.pending_frames >= ahead_frames:
+        return -math.inf
+    return first_audio_at + samples / SAMPLE_RATE - ahead_s
 
 
 def _progress(what: str) -> Callable[[int, int], None]:
@@ -485,7 +525,9 @@ class OrpheusEngine:
             await self._backend.start()
         except (OSError, ValueError) as exc:
             raise load_error(f"the {cfg.backend} model", cfg.model, exc) from exc
-        self._worker = _DecodeWorker(decoder, self._stream_done, self._stream_failed, self._decoder_died)
+        self._worker = _DecodeWorker(
+            decoder, self._stream_done, self._stream_failed, self._decoder_died, cfg.decode_ahead_s
+        )
 
     async def aclose(self) -> None:
         """Stop every stream, the backend and the threads. The engine cannot be restarted."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...config import EngineConfig
 from ...spec import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .common import cpu_timed, run_metadata
 from .figures import Utterance, capacity, report, summarize
@@ -26,7 +27,6 @@ from .utterances import UTTERANCES
 
 if TYPE_CHECKING:
     from ...backends.base import TokenBackend
-    from ...config import EngineConfig
     from ...decoder import FrameDecoder
     from ...engine import OrpheusEngine
 
@@ -55,6 +55,7 @@ class BenchOptions:
     budget_per_char: float = 6.0  # utterance length cap: natural speech, even from random weights that never stop
     budget_base: int = 0
     max_batch_size: int = 256
+    decode_ahead_s: float | None = EngineConfig.decode_ahead_s  # None: every frame decoded as it comes
     seed: int = 0
     progress: bool = True
 
@@ -70,7 +71,7 @@ class BenchOptions:
 
     def engine_config(self, scheme: str) -> EngineConfig:
         """The engine that runs `scheme`; admission and batch limits sized so the sweep itself never queues."""
-        from ...config import EngineConfig, SyntheticConfig
+        from ...config import SyntheticConfig
 
         return EngineConfig(
             model=self.model,
@@ -80,6 +81,7 @@ class BenchOptions:
             decoder=SCHEMES[scheme],
             max_streams=max(1024, 8 * max(self.streams)),
             max_batch_size=self.max_batch_size,
+            decode_ahead_s=self.decode_ahead_s,
             token_budget_per_char=self.budget_per_char,
             token_budget_base=self.budget_base,
             # Long enough that the token budget, not the prompt, sets each length: the same lengths as hf.
@@ -319,6 +321,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-per-char", type=float, default=d.budget_per_char, help="tokens per character cap")
     p.add_argument("--budget-base", type=int, default=d.budget_base)
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="hf: rows per step")
+    p.add_argument(
+        "--decode-ahead",
+        dest="decode_ahead_s",
+        type=lambda v: None if v == "off" else float(v),
+        default=d.decode_ahead_s,
+        help="seconds ahead of real time beyond which a stream is decoded 4 frames a call; off: never",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--json", default=None, help="write the result here and PNG plots beside it")

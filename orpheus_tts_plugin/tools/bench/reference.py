@@ -51,6 +51,7 @@ class ReferenceDecoder:
     def __init__(self, snac: nn.Module):
         self.snac = snac
         self.first_chunk_frames = self.WINDOW
+        self.ahead_chunk_frames = 1  # one window per frame whatever is pending: nothing to gain by waiting
         self.calls = 0
         self.frames = 0  # frames run through SNAC: WINDOW per call
 

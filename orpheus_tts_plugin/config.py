@@ -141,6 +141,7 @@ class EngineConfig:
     decoder: str = "snac"  # snac | null (silence on the same schedule, for benchmarks)
     decode_batch_frames: int | None = None  # frames (rows × chunk) per decoder call; None: max_streams
     decode_ahead_s: float | None = 0.5  # a stream this far ahead of real time is decoded several frames a call
+    pause_unread_s: float | None = 2.0  # a stream's generation pauses while its caller has this much audio unread
     compile: bool = False  # torch.compile the decoder step; on CUDA also capture decoder and hf steps as graphs
     noise_seed: int = 0
     sentence_max_chars: int = 300
@@ -162,8 +163,9 @@ class EngineConfig:
         check_number("queue_timeout_s", self.queue_timeout_s, lo=0.0, lo_open=True)
         if self.decode_batch_frames is not None:
             check_int("decode_batch_frames", self.decode_batch_frames, 1)
-        if self.decode_ahead_s is not None:
-            check_number("decode_ahead_s", self.decode_ahead_s, lo=0.0)
+        for name in ("decode_ahead_s", "pause_unread_s"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), lo=0.0)
         check_int("max_seq_len", self.max_seq_len, 2)
         check_int("first_chunk_frames", self.first_chunk_frames, 1)
         check_int("noise_seed", self.noise_seed, 0, SEED_LIMIT)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .backends.base import BackendError, FinishReason, GenerationRequest, TokenBackend
+from .backends.base import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
 from .codes import FrameParser
 from .config import EngineConfig, SamplingOverrides, SamplingParams
 from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
@@ -106,7 +106,18 @@ class SpeechEngine(Protocol):
 class _Stream:
     """Caller-side handle of one synthesize() stream; lives on the caller's event loop."""
 
-    __slots__ = ("box", "closed", "first_audio_at", "id", "loop", "samples", "task")
+    __slots__ = (
+        "box",
+        "closed",
+        "first_audio_at",
+        "id",
+        "loop",
+        "paused",
+        "resumed",
+        "samples",
+        "task",
+        "taken",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.id = uuid.uuid4().hex
@@ -116,6 +127,13 @@ class _Stream:
         self.first_audio_at: float | None = None  # monotonic time its first audio left the decoder (decoder thread)
         self.task: asyncio.Task[None] | None = None  # the engine-loop task generating its tokens (engine loop only)
         self.box: Mailbox[AudioChunk] = Mailbox()  # caller's loop only
+        self.taken = 0  # samples the caller has taken (caller's loop writes; the engine loop reads)
+        self.paused = False  # generation waits for the caller to read (engine loop writes; caller's loop reads)
+        self.resumed: asyncio.Event | None = None  # set when the caller has caught up (engine loop only)
+
+    def unread_s(self) -> float:
+        """Seconds of decoded audio on its way to the caller or waiting for it to take it."""
+        return (self.samples - self.taken) / SAMPLE_RATE
 
     def put(self, item: AudioChunk | BaseException) -> None:
         """Runs on the caller's loop: a chunk, or the error that ends the stream (nothing after either end)."""
@@ -412,6 +430,9 @@ class OrpheusEngine:
         self._closed = False
         self._failure: str | None = None
         self._kick_pending = False  # engine loop only
+        unread = self.config.pause_unread_s
+        self._pause_s = math.inf if unread is None else unread  # a stream's generation pauses past this unread
+        self._resume_s = 0.0 if unread is None else unread / 2  # ... and resumes once its caller is back under this
 
     @classmethod
     def shared(cls, config: EngineConfig | None = None) -> OrpheusEngine:
@@ -642,6 +663,10 @@ class OrpheusEngine:
             while not complete:
                 chunk = await stream.box.get()
                 complete = chunk.final
+                stream.taken += chunk.num_samples
+                if stream.paused and stream.unread_s() <= self._resume_s:
+                    with contextlib.suppress(RuntimeError):  # the engine loop is closed: nothing to resume
+                        self._loop.call_soon_threadsafe(self._resume, stream)
                 yield chunk
         finally:
             if not complete:
@@ -744,6 +769,8 @@ class OrpheusEngine:
                     self._kick_soon()
                 if token_log is not None:
                     token_log.extend(ids)
+                if utt.stream.unread_s() > self._pause_s and isinstance(tokens, PausableStream):
+                    await self._wait_for_reader(utt.stream, tokens)
         finally:
             await tokens.aclose()
             self._count_utterance(parser, n_tokens, tokens.finish_reason, limit_kind)
@@ -751,6 +778,31 @@ class OrpheusEngine:
             token_log.append(self.spec.end_of_speech)
         if tokens.finish_reason == FinishReason.ERROR:
             raise BackendError(f"backend failed request {req.request_id}")
+
+    async def _wait_for_reader(self, stream: _Stream, tokens: PausableStream) -> None:
+        """Pause this stream's generation until its caller has read all but `pause_unread_s / 2` of its audio.
+
+        `paused` is published before the caller's progress is read again, and the caller reads `paused` after
+        publishing its progress, so one of the two always sees the other: no wake-up is lost.
+        """
+        event = stream.resumed = stream.resumed or asyncio.Event()
+        event.clear()
+        stream.paused = True
+        try:
+            if stream.unread_s() <= self._resume_s:
+                return
+            self._count("generation_pauses")
+            tokens.pause(True)
+            try:
+                await event.wait()
+            finally:
+                tokens.pause(False)
+        finally:
+            stream.paused = False
+
+    def _resume(self, stream: _Stream) -> None:
+        if stream.resumed is not None:
+            stream.resumed.set()
 
     def _kick_soon(self) -> None:
         if not self._kick_pending:

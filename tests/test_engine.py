@@ -194,6 +194,51 @@ def test_frames_wait_only_while_their_stream_is_ahead_and_never_for_a_first_chun
     assert held_until(state(4, 1), 100.0, second, math.inf, 4) == -math.inf  # holding turned off
 
 
+def _stalling(speed: EngineConfig) -> EngineConfig:
+    """Endless utterances (only `max_tokens` ends them) and a small unread-audio bound: a stall is quick to reach."""
+    endless = replace(speed.synthetic, endless=True)
+    return replace(speed, pause_unread_s=0.5, synthetic=endless, token_budget_per_char=1000.0)
+
+
+async def test_a_caller_that_stops_reading_pauses_its_generation_until_it_reads_again(speed: EngineConfig) -> None:
+    engine = OrpheusEngine(_stalling(speed))
+    await engine.start()
+    try:
+        log: list[int] = []
+        stalled = engine.synthesize(LONG, voice="tara", seed=5, token_log=log, max_tokens=50_000)
+        await stalled.__anext__()  # then it reads nothing
+        await _until(lambda: engine.stats()["backend"]["paused_requests"] == 1)
+        assert engine.stats()["generation_pauses"] == 1
+        tokens = len(log)
+        others = await asyncio.gather(*(_collect(engine, LONG, seed=i, max_tokens=140) for i in range(2)))
+        assert all(c[-1].final for c in others) and len(log) == tokens  # steps went by, none for the stalled stream
+        deadline = time.monotonic() + 10.0
+        async for _ in stalled:  # reading again resumes it
+            if len(log) > tokens or time.monotonic() > deadline:
+                break
+        assert len(log) > tokens
+        await stalled.aclose()
+        await _until(lambda: engine.stats()["backend"]["live_requests"] == 0)
+        assert engine.stats()["backend"]["paused_requests"] == 0
+    finally:
+        await engine.aclose()
+
+
+async def test_a_caller_that_leaves_while_its_generation_is_paused_frees_its_row(speed: EngineConfig) -> None:
+    engine = OrpheusEngine(_stalling(speed))
+    await engine.start()
+    try:
+        stalled = engine.synthesize(LONG, seed=5, max_tokens=50_000)
+        await stalled.__anext__()
+        await _until(lambda: engine.stats()["backend"]["paused_requests"] == 1)
+        await stalled.aclose()
+        await _until(lambda: engine.stats()["active_streams"] == 0 and engine.stats()["backend"]["live_requests"] == 0)
+        assert engine.stats()["backend"]["paused_requests"] == 0
+        assert (await _collect(engine, max_tokens=140))[-1].final
+    finally:
+        await engine.aclose()
+
+
 async def test_random_cancels_of_16_streams_abort_at_once(paced: OrpheusEngine) -> None:
     rng = random.Random(7)
     received: dict[int, int] = {}

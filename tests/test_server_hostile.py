@@ -59,7 +59,11 @@ POLICY = Policy(
 def guarded(request: pytest.FixtureRequest, synthetic_config: EngineConfig) -> Iterator[ServerThread]:
     pace = PACES[request.param]  # utterances that never end by themselves: a held stream stays open however fast
     config = replace(
-        synthetic_config, max_streams=8, token_budget_base=1_000_000, synthetic=Synthetic(pace, endless=True)
+        synthetic_config,
+        max_streams=8,
+        token_budget_base=1_000_000,
+        synthetic=Synthetic(pace, endless=True),
+        pause_unread_s=0.5,
     )
     engine = OrpheusEngine(config)
     with serving_in_thread(engine, policy=POLICY, socket_send_buffer=16_384) as srv:
@@ -337,12 +341,42 @@ async def test_a_client_that_stops_reading_gets_its_stream_ended_as_a_slow_consu
         await next_of(ws, "hello")
         await ws.send(protocol.encode(protocol.Start(TEXT, sampling=SamplingOverrides(max_tokens=10**6)).message(3)))
         engine = guarded.service.engine
-        deadline = time.monotonic() + 60
-        while metric(guarded, "orpheus_slow_consumers_total") == before:  # not reading meanwhile
-            assert time.monotonic() < deadline, "the stalled stream was never ended"
-            await asyncio.sleep(0.2)
+        pauses = engine.stats().get("generation_pauses", 0)
+        await until_slow_consumer(guarded, before)  # not reading meanwhile
+        assert engine.stats()["generation_pauses"] > pauses  # its generation waited for it before it was ended
         await until_idle(engine)
         assert await terminals(ws, 3) == ["error"]  # after the audio it had queued, in order
+
+
+def test_an_http_client_that_stops_reading_has_its_response_cut_as_a_slow_consumer(guarded: ServerThread) -> None:
+    before = metric(guarded, "orpheus_slow_consumers_total")
+    engine = guarded.service.engine
+    pauses = engine.stats().get("generation_pauses", 0)
+    body = json.dumps({"model": "m", "input": TEXT, "response_format": "pcm", "max_tokens": 10**6}).encode()
+    host, port = guarded.http_url.removeprefix("http://").split(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.sendall(
+            f"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        asyncio.run(until_slow_consumer(guarded, before))  # reading nothing meanwhile
+        assert engine.stats()["generation_pauses"] > pauses
+        asyncio.run(until_idle(engine))
+        sock.settimeout(30)
+        received = b""
+        while piece := sock.recv(65536):  # what it had buffered, then EOF: the server closed the connection
+            received += piece
+    assert received.startswith(b"HTTP/1.1 200") and not received.endswith(b"0\r\n\r\n")  # cut, not ended
+
+
+async def until_slow_consumer(srv: ServerThread, before: float, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while metric(srv, "orpheus_slow_consumers_total") == before:
+        assert time.monotonic() < deadline, "the stalled stream was never ended"
+        await asyncio.sleep(0.2)
 
 
 async def until_idle(engine: OrpheusEngine, timeout_s: float = 30.0) -> None:

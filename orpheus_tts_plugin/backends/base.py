@@ -54,6 +54,14 @@ class TokenStream(Protocol):
 
 
 @runtime_checkable
+class PausableStream(Protocol):
+    """A TokenStream whose request can sit out engine steps, keeping its place (backends that step in-process)."""
+
+    def pause(self, paused: bool) -> None:
+        """Stop (True) or resume (False) stepping this request; its state (KV cache row) is kept meanwhile."""
+
+
+@runtime_checkable
 class TokenBackend(Protocol):
     """Token generation behind one small protocol; knows nothing about audio."""
 
@@ -210,6 +218,9 @@ class _StepStream:
                 self._backend._abort(self)
                 self._box.end()
 
+    def pause(self, paused: bool) -> None:
+        self._backend._pause(self, paused)
+
     def _push(self, ids: list[int], finish: str | None, error: BaseException | None = None) -> None:
         """Called on the loop once per engine step with this request's new ids."""
         if self._closed:
@@ -269,6 +280,7 @@ class SteppedBackend:
         self._cv = threading.Condition()
         self._pending = _Waiting()  # under _cv
         self._aborts: set[_StepStream] = set()
+        self._paused: set[_StepStream] = set()  # under _cv: requests that sit out steps (their consumer is behind)
         self._live: dict[_StepStream, Any] = {}
         self._thread: threading.Thread | None = None
         self._running = False
@@ -342,6 +354,7 @@ class SteppedBackend:
                 "backend": self.name,
                 "live_requests": len(self._live),
                 "queued_requests": len(self._pending),
+                "paused_requests": len(self._paused),
                 "steps": self._step_count,
                 "max_steps_to_abort": self._max_steps_to_abort,
                 "failure": self.failure,
@@ -360,16 +373,26 @@ class SteppedBackend:
     def _abort(self, stream: _StepStream) -> None:
         with self._cv:
             self._aborts.add(stream)
+            self._paused.discard(stream)
             self._abort_requested_at[stream] = self._step_count
             self._cv.notify()
+
+    def _pause(self, stream: _StepStream, paused: bool) -> None:
+        with self._cv:
+            if paused:
+                self._paused.add(stream)
+            else:
+                self._paused.discard(stream)
+                self._cv.notify()
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self._running and not self._pending and not self._live and not self._aborts:
+                while self._running and self._idle():
                     self._cv.wait(self._idle_wait())
                 if not self._running:
                     break
+                paused = set(self._paused)
                 aborts, self._aborts = self._aborts, set()
                 admit: list[_StepStream] = []
                 while self._pending and len(self._live) + len(admit) < self.max_batch_size:
@@ -392,8 +415,8 @@ class SteppedBackend:
                     self._counters["admitted"] += 1
                 except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
                     results.append((stream, [], FinishReason.ERROR, BackendError(str(exc))))
-            if self._live:
-                streams = list(self._live)
+            streams = [s for s in self._live if s not in paused]
+            if streams:
                 try:
                     outs = self._step([self._live[s] for s in streams])
                 except Exception as exc:  # noqa: BLE001 - fail every live request, keep serving
@@ -412,6 +435,11 @@ class SteppedBackend:
             if results:
                 self._loop.call_soon_threadsafe(_dispatch, results)
 
+    def _idle(self) -> bool:
+        """Under the lock: nothing to abort, admit or step (every live request paused, or none live)."""
+        admittable = self._pending and len(self._live) < self.max_batch_size
+        return not (self._aborts or admittable or not self._live.keys() <= self._paused)
+
     def _die(self, exc: BaseException) -> None:
         """The stepping thread is going: end every live and waiting request with an error (stepping thread)."""
         with self._cv:
@@ -425,6 +453,8 @@ class SteppedBackend:
     def _drop(self, stream: _StepStream) -> bool:
         """Release a live request's state; False if it was not live."""
         state = self._live.pop(stream, None)
+        with self._cv:
+            self._paused.discard(stream)
         if state is None:
             return False
         self._release(state)

@@ -69,8 +69,9 @@ class Metrics:
             registry=reg,
         )  # fmt: skip
         self.slow_consumers = Counter(
-            "orpheus_slow_consumers", "WebSocket streams ended because their client left its audio unread", registry=reg
-        )
+            "orpheus_slow_consumers", "Streams ended because their client left its audio unread (WebSocket or HTTP)",
+            registry=reg,
+        )  # fmt: skip
         self.over_limit = Counter(
             "orpheus_requests_over_limit", "Requests refused as over a size, length or nesting limit", ["transport"],
             registry=reg,

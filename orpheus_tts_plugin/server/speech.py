@@ -2,18 +2,23 @@
 
 The response starts once the first audio exists, so that a refusal (bad input 400, overloaded or
 draining 503) is a status code, not a broken stream. A client that closes the connection aborts the
-engine request (Starlette cancels the response task on `http.disconnect`).
+engine request (Starlette cancels the response task on `http.disconnect`); one that stops reading has
+its generation paused by the engine and, past `slow_consumer_timeout_s` without taking a chunk, its
+connection cut (the response is left incomplete, so the client sees a truncated body, not a clean end).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import struct
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Message, Send
 
 from ..config import SAMPLING_FIELDS, SamplingOverrides
 from ..engine import AudioChunk
@@ -23,6 +28,8 @@ from . import protocol
 from .http_errors import error_response
 from .policy import LimitError, Policy
 from .service import Service
+
+log = logging.getLogger(__name__)
 
 FORMATS = {"pcm": "audio/pcm", "wav": "audio/wav"}
 DEFAULT_FORMAT = "wav"  # OpenAI's default is mp3, which this server does not encode; WAV describes itself
@@ -104,12 +111,45 @@ async def speech(request: Request, service: Service, key: str | None) -> Respons
     except (EngineError, ValueError, TypeError) as exc:
         return error_response(exc)
     head = wav_header() if fmt == "wav" else b""
-    return StreamingResponse(
-        _body(head, first, chunks), media_type=FORMATS[fmt], headers={"X-Sample-Rate": str(SAMPLE_RATE)}
+    return _DeadlineStreamingResponse(
+        service,
+        _body(head, first, chunks),
+        media_type=FORMATS[fmt],
+        headers={"X-Sample-Rate": str(SAMPLE_RATE)},
     )
 
 
-async def _body(head: bytes, first: AudioChunk | None, rest: AsyncGenerator[AudioChunk, None]) -> AsyncIterator[bytes]:
+class _DeadlineStreamingResponse(StreamingResponse):
+    """A streaming response whose every send must finish within `slow_consumer_timeout_s`, else it stops there.
+
+    A send waits while the client's socket is full (the server's flow control), so a client that reads
+    nothing holds the send; the stream then ends without its last message, and the server closes the
+    connection (a truncated body) and the engine stream with it.
+    """
+
+    def __init__(self, service: Service, content: AsyncGenerator[bytes, None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._body = content
+        self._service = service
+
+    async def stream_response(self, send: Send) -> None:
+        timeout = self._service.policy.slow_consumer_timeout_s
+
+        async def send_in_time(message: Message) -> None:
+            await asyncio.wait_for(send(message), timeout)
+
+        try:
+            await super().stream_response(send_in_time)
+        except TimeoutError:
+            self._service.metrics.slow_consumers.inc()
+            log.warning("slow consumer: an HTTP client read no audio for %g s; its stream ends", timeout)
+        finally:
+            await self._body.aclose()
+
+
+async def _body(
+    head: bytes, first: AudioChunk | None, rest: AsyncGenerator[AudioChunk, None]
+) -> AsyncGenerator[bytes, None]:
     """The response body; closing it (client gone, response cancelled) closes the engine stream at once."""
     try:
         if head:

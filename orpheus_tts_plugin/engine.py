@@ -386,6 +386,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
 _MALLOC_TRIM = _malloc_trim()
 
 
+def _failed(fut: concurrent.futures.Future[None]) -> bool:
+    """Whether a done future ended without a result (an exception, or cancelled), without raising either."""
+    return fut.cancelled() or fut.exception() is not None
+
+
 def _deliver(items: list[tuple[_Stream, AudioChunk | BaseException]]) -> None:
     for stream, item in items:
         try:
@@ -450,19 +455,28 @@ class OrpheusEngine:
         self._begin_start()
 
     def _begin_start(self) -> concurrent.futures.Future[None]:
+        """The shared load's future: the one under way or done, or a new one if none began or the last failed."""
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed")
+            if self._started is not None and self._started.done() and _failed(self._started):
+                self._started = None  # a load that failed may be tried again (the files fixed, the GPU freed)
             if self._started is None:
                 self._started = concurrent.futures.Future()
-                self._thread = threading.Thread(target=self._thread_main, name="orpheus-engine", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._thread_main, args=(self._started,), name="orpheus-engine", daemon=True
+                )
                 self._thread.start()
             return self._started
 
     async def start(self) -> None:
-        """Load the tokenizer, backend and decoder once; safe to await from any loop, any number of times."""
+        """Load the tokenizer, backend and decoder once; safe to await from any loop, any number of times.
+
+        Cancelling a caller (a job that ends while the engine loads, a `wait_for`, Ctrl-C) never cancels
+        the shared load: it goes on for every other caller and the next `start()`.
+        """
         try:
-            await asyncio.wrap_future(self._begin_start())
+            await asyncio.shield(asyncio.wrap_future(self._begin_start()))
         except EngineError as exc:  # the same error for every caller: do not let its traceback grow with each one
             raise exc.with_traceback(None) from exc.__cause__
         health = self.health()
@@ -471,7 +485,8 @@ class OrpheusEngine:
 
     @property
     def started(self) -> bool:
-        return self._started is not None and self._started.done() and self._started.exception() is None
+        started = self._started
+        return started is not None and started.done() and not _failed(started)
 
     @property
     def ready(self) -> bool:
@@ -492,11 +507,12 @@ class OrpheusEngine:
             return {"status": "not started", "reason": "start() or prewarm() not called yet"}
         if not started.done():
             return {"status": "starting", "reason": "loading"}
-        if started.exception() is not None:
-            return {"status": "failed", "reason": f"start failed: {started.exception()}"}
+        if _failed(started):
+            why = "interrupted" if started.cancelled() else started.exception()
+            return {"status": "failed", "reason": f"start failed: {why}"}
         return {"status": "ok", "reason": None}
 
-    def _thread_main(self) -> None:
+    def _thread_main(self, started: concurrent.futures.Future[None]) -> None:
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
@@ -508,10 +524,12 @@ class OrpheusEngine:
                 error = ModelLoadError(f"the engine failed to load: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
                 exc = error
-            self._started.set_exception(exc)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by someone else
+                started.set_exception(exc)
             loop.close()
             return
-        self._started.set_result(None)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            started.set_result(None)
         try:
             loop.run_forever()
         finally:
@@ -560,7 +578,9 @@ class OrpheusEngine:
         if started is None:
             return
         try:
-            await asyncio.wrap_future(started)
+            await asyncio.shield(asyncio.wrap_future(started))
+        except asyncio.CancelledError:
+            raise
         except BaseException:  # noqa: BLE001 - a failed start leaves nothing to stop
             return
         fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from orpheus_tts_plugin import EngineConfig, EngineOverloadedError, OrpheusEngine, SyntheticConfig
+from orpheus_tts_plugin import EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.decoder import DecodeState
 from orpheus_tts_plugin.engine import held_until
@@ -311,6 +311,71 @@ async def test_admission_is_limited_to_max_streams(speed: EngineConfig) -> None:
         assert (await _collect(engine, "Again."))[-1].final
     finally:
         await engine.aclose()
+
+
+class _SlowStart(SyntheticBackend):
+    """Synthetic tokens; `start()` waits for `gate`, and fails the first `failures` times (a busy GPU)."""
+
+    def __init__(self, config: SyntheticConfig, failures: int = 0):
+        super().__init__(config)
+        self.gate = threading.Event()
+        self.failures = failures
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.gate.wait)
+        if self.failures:
+            self.failures -= 1
+            raise OSError("CUDA out of memory (the GPU is busy)")
+        await super().start()
+
+
+async def test_a_cancelled_start_never_cancels_the_shared_load(speed: EngineConfig) -> None:
+    backend = _SlowStart(speed.synthetic)
+    engine = OrpheusEngine(speed, backend=backend)
+    try:
+        waiting = asyncio.create_task(engine.start())
+        await _until(lambda: engine.health()["status"] == "starting")
+        waiting.cancel()  # a job that ends while the engine loads
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.start(), 0.05)  # a caller's own deadline
+        assert engine.health() == {"status": "starting", "reason": "loading"}
+        backend.gate.set()
+        await engine.start()
+        assert engine.health()["status"] == "ok" and engine.started
+        assert (await _collect(engine))[-1].final
+    finally:
+        backend.gate.set()
+        await engine.aclose()
+
+
+async def test_a_failed_start_is_tried_again_by_the_next_start(speed: EngineConfig) -> None:
+    backend = _SlowStart(speed.synthetic, failures=1)
+    backend.gate.set()
+    engine = OrpheusEngine(speed, backend=backend)
+    try:
+        with pytest.raises(EngineError, match="CUDA out of memory"):
+            await engine.start()
+        assert engine.health()["status"] == "failed" and not engine.started
+        await engine.start()
+        assert engine.health()["status"] == "ok"
+        assert (await _collect(engine))[-1].final
+    finally:
+        await engine.aclose()
+
+
+async def test_closing_an_engine_while_it_loads_waits_for_the_load_and_stops_it(speed: EngineConfig) -> None:
+    backend = _SlowStart(speed.synthetic)
+    engine = OrpheusEngine(speed, backend=backend)
+    engine.prewarm()
+    closing = asyncio.create_task(engine.aclose())
+    await _until(lambda: engine.health()["status"] == "closed")
+    backend.gate.set()
+    await closing
+    assert engine.health()["status"] == "closed"
+    with pytest.raises(EngineError):
+        await engine.start()
 
 
 def test_one_shared_engine_per_config(synthetic_config: EngineConfig) -> None:

@@ -12,7 +12,8 @@ and the server's load reported. STT and LLM go through LiveKit Inference; VAD ru
     python examples/livekit_agent.py start              # or: python examples/livekit_agent.py dev
 
 Settings (environment): ORPHEUS_MODEL (hub id or local dir), ORPHEUS_BACKEND (hf | trtllm | vllm |
-remote), ORPHEUS_SERVER_URL (ws://HOST:8880 of `orpheus-tts serve`; then no model loads here),
+remote), ORPHEUS_SERVER_URL (ws://HOST:8880 of `orpheus-tts serve`, or several such URLs separated by
+commas, each call's speech then going to the least-loaded; then no model loads here),
 ORPHEUS_VOICE, ORPHEUS_MAX_CALLS (calls one worker may hold), ORPHEUS_LOAD_THRESHOLD,
 ORPHEUS_FALLBACK_TTS (a LiveKit Inference TTS, e.g. cartesia/sonic-3, that speaks while Orpheus is
 stalled, full, loading or failed: docs/livekit.md, "Timeouts, retries and failover").

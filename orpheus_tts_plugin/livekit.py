@@ -4,8 +4,9 @@ Every job of a worker that runs with the thread job executor (`JobExecutorType.T
 worker process, each on its own event loop in its own thread; `OrpheusEngine` serves all of them at
 once, so one GPU engine speaks for every call. `server_options()` gives the `AgentServer` keyword
 arguments for that set-up (thread executor, a `load_fnc` reporting the engine's load, a threshold), or,
-with `server_url`, for LiveKit's default process-per-job executor, every job reaching one `orpheus-tts serve`
-through `remote_engine(url)` (a `RemoteEngine`: one connection per job process).
+with `server_url`, for LiveKit's default process-per-job executor, every job reaching `orpheus-tts serve`
+through `remote_engine(url)` (a `RemoteEngine`: one connection per server per job process; `url` may
+list several servers, and each stream then goes to the least-loaded one).
 
 Importing this module registers `OrpheusPlugin` (whose `download_files()` fetches the weights) and
 does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
@@ -29,7 +30,7 @@ import importlib.metadata
 import logging
 import threading
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -357,8 +358,9 @@ def prewarm_engine(engine: SpeechEngine | EngineConfig | None = None) -> SpeechE
     return engine
 
 
-def remote_engine(url: str) -> SpeechEngine:
-    """This process's RemoteEngine for an `orpheus-tts serve` URL (one connection per process, made at once)."""
+def remote_engine(url: str | Sequence[str]) -> SpeechEngine:
+    """This process's RemoteEngine for an `orpheus-tts serve` URL, or for several servers (a sequence or a
+    comma-separated string: each stream goes to the least-loaded); one connection per server, made at once."""
     from .server.client import RemoteEngine
 
     engine = RemoteEngine.shared(url)
@@ -374,8 +376,8 @@ def engine_load_fnc(
     A call holds an engine stream only while it speaks, so give `max_jobs` (calls one worker can
     serve) to report `active jobs / max_jobs` when that is higher. A failed or closed engine serves
     nothing more, so the worker then reports itself full and LiveKit sends new calls elsewhere. For a
-    RemoteEngine the load is the server's own (1.0 while it cannot be reached), so workers of the
-    process executor report the shared engine server's load.
+    RemoteEngine the load is the server's own (1.0 while it cannot be reached; with several servers their
+    mean), so workers of the process executor report the shared engine servers' load.
     """
     engine = _engine_for(engine)
     if max_jobs is not None and max_jobs < 1:
@@ -393,16 +395,16 @@ def engine_load_fnc(
 def server_options(
     engine: SpeechEngine | EngineConfig | None = None,
     *,
-    server_url: str | None = None,
+    server_url: str | Sequence[str] | None = None,
     load_threshold: float = 0.8,
     max_jobs: int | None = None,
 ) -> dict[str, Any]:
     """`AgentServer(**server_options(...), ...)` keyword arguments for one engine shared by all jobs.
 
     In-process (the default): the thread job executor, every job on this process's engine. With
-    `server_url` (an `orpheus-tts serve` on this machine or another): LiveKit's default process executor,
-    each job process reaching the server through `remote_engine(server_url)`, and the load reported to
-    LiveKit is the server's.
+    `server_url` (an `orpheus-tts serve` on this machine or another, or several: a sequence or "URL,URL"):
+    LiveKit's default process executor, each job process reaching the servers through
+    `remote_engine(server_url)`, and the load reported to LiveKit is the servers' (their mean).
     """
     if server_url is not None:
         if engine is not None:

@@ -1,18 +1,22 @@
-"""Real servers for tests, on loopback: a free port, and a server subprocess that is up once GET url/health is 200.
+"""Real servers for tests, on loopback: a free port, a server subprocess that is up once GET url/health is 200,
+`orpheus-tts serve` subprocesses (up once GET /ready is 200), and polling for an event with a deadline.
 
 Shared by tests/ and tests_vllm/ (the vLLM venv), so it imports only the standard library and pytest.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -56,3 +60,64 @@ def _stop_group(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def serve_args(snac: Path, port: int, token_rate: float, *extra: str) -> list[str]:
+    """`orpheus-tts serve` flags: synthetic tokens at `token_rate` a stream (0: flat out), tiny SNAC, utterances
+    as long as their max_tokens."""
+    return [
+        "serve", "--backend", "synthetic", "--model", "", "--snac", str(snac), "--device", "cpu",
+        "--port", str(port), "--token-rate", str(token_rate), "--frames-per-token", "64",
+        "--budget-base", "1000000", *extra,
+    ]  # fmt: skip
+
+
+def ready_status(port: int) -> int | None:
+    """GET /ready's status, or None if nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def serve_processes(arg_lists: list[list[str]], log: Path) -> Iterator[list[subprocess.Popen]]:
+    """`orpheus-tts serve ARGS` for each ARGS, all started at once, once each /ready answers 200; those still
+    running at the end are killed."""
+    procs: list[subprocess.Popen] = []
+    try:
+        with log.open("ab") as out:
+            for args in arg_lists:
+                cmd = [sys.executable, "-m", "orpheus_tts_plugin.cli", *args]
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=out))
+        deadline = time.monotonic() + 120
+        for args, proc in zip(arg_lists, procs):
+            while ready_status(int(args[args.index("--port") + 1])) != 200:
+                assert proc.poll() is None, f"serve exited with {proc.returncode}: {log.read_text()}"
+                assert time.monotonic() < deadline, "serve did not become ready"
+                time.sleep(0.05)
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait(30)
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """`orpheus-tts serve ARGS` in a subprocess, once /ready answers 200; killed at the end if still running."""
+    with serve_processes([args], log) as (proc,):
+        yield proc
+
+
+async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Return once `cond()` holds, polling every 10 ms; fail the test if it does not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)

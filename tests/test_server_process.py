@@ -6,15 +6,11 @@ Each test runs with generation faster than decoding (synthetic tokens flat out) 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,57 +20,11 @@ import pytest
 from orpheus_tts_plugin import EngineError, EngineOverloadedError, OrpheusEngine, RemoteEngine
 from orpheus_tts_plugin.cli import build_parser
 from orpheus_tts_plugin.server.serve import engine_config
-from tests.servers import free_port
+from tests.servers import free_port, ready_status, serve_args, serve_process, until
 
 PACES = {"fast": 0.0, "paced": 400.0}  # synthetic tokens/s a stream
 TEXT = "Hello there. How are you today?"
 HOLD_TOKENS = {"fast": 7000, "paced": 2000}  # a few seconds of one stream either way (decoding or generating)
-
-
-def serve_args(snac: Path, port: int, pace: str, *extra: str) -> list[str]:
-    """`serve` flags: synthetic tokens, tiny SNAC, utterances as long as their max_tokens."""
-    return [
-        "serve", "--backend", "synthetic", "--model", "", "--snac", str(snac), "--device", "cpu",
-        "--port", str(port), "--token-rate", str(PACES[pace]), "--frames-per-token", "64",
-        "--budget-base", "1000000", *extra,
-    ]  # fmt: skip
-
-
-def ready_status(port: int) -> int | None:
-    """GET /ready's status, or None if nothing listens."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
-
-
-@contextlib.contextmanager
-def serve_process(args: list[str], log: Path) -> Iterator[subprocess.Popen]:
-    """`orpheus-tts serve ARGS` in a subprocess, once /ready answers 200; killed at the end if still running."""
-    port = int(args[args.index("--port") + 1])
-    with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "orpheus_tts_plugin.cli", *args], stdout=out, stderr=out)
-    try:
-        deadline = time.monotonic() + 120
-        while ready_status(port) != 200:
-            assert proc.poll() is None, f"serve exited with {proc.returncode}: {log.read_text()}"
-            assert time.monotonic() < deadline, "serve did not become ready"
-            time.sleep(0.05)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
-
-
-async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("pace", list(PACES))
@@ -82,7 +32,7 @@ async def test_a_killed_server_fails_its_calls_within_a_second_and_clients_recon
     test_model_dir: Path, tmp_path: Path, pace: str
 ) -> None:
     port = free_port()
-    args = serve_args(test_model_dir / "snac", port, pace)
+    args = serve_args(test_model_dir / "snac", port, PACES[pace])
     remote = RemoteEngine(f"ws://127.0.0.1:{port}", connect_timeout_s=0.5, backoff_s=(0.05, 0.5))
     try:
         with serve_process(args, tmp_path / "serve.log") as proc:
@@ -113,7 +63,7 @@ async def test_sigterm_stops_admitting_lets_open_streams_finish_then_exits(
     test_model_dir: Path, tmp_path: Path, pace: str
 ) -> None:
     port = free_port()
-    args = serve_args(test_model_dir / "snac", port, pace, "--drain-timeout", "120")
+    args = serve_args(test_model_dir / "snac", port, PACES[pace], "--drain-timeout", "120")
     remote = RemoteEngine(f"ws://127.0.0.1:{port}")
     try:
         with serve_process(args, tmp_path / "serve.log") as proc:
@@ -147,7 +97,7 @@ async def test_serve_with_cpus_runs_every_thread_on_them_and_speaks(
 ) -> None:
     cpu = max(os.sched_getaffinity(0))
     port = free_port()
-    args = serve_args(test_model_dir / "snac", port, pace, "--cpus", str(cpu))
+    args = serve_args(test_model_dir / "snac", port, PACES[pace], "--cpus", str(cpu))
     remote = RemoteEngine(f"ws://127.0.0.1:{port}")
     try:
         with serve_process(args, tmp_path / "s.log") as p:
@@ -166,7 +116,7 @@ def test_serve_off_loopback_without_a_key_warns_in_one_line_and_with_one_does_no
 ) -> None:
     for extra, warned in (((), True), (("--api-key", "k"), False)):
         port = free_port()
-        args = [*serve_args(test_model_dir / "snac", port, "fast", *extra), "--host", "0.0.0.0"]
+        args = [*serve_args(test_model_dir / "snac", port, PACES["fast"], *extra), "--host", "0.0.0.0"]
         log = tmp_path / f"serve-{warned}.log"
         with serve_process(args, log):
             pass

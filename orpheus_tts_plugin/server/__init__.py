@@ -2,6 +2,7 @@
 
 Modules: `protocol` (the wire format), `service` (what both transports share), `mux` (the server side of
 one WebSocket), `speech` (`POST /v1/audio/speech`), `metrics` (`/metrics`), `app` (the FastAPI app),
-`serve` (uvicorn, SIGTERM drain), `connection` (the client side of one WebSocket), `client` (`RemoteEngine`).
+`serve` (uvicorn, SIGTERM drain), `connection` (the client side of one WebSocket), `upstream` (one server of a
+RemoteEngine's list, and where a new stream goes), `client` (`RemoteEngine`).
 Importing this package imports none of FastAPI, uvicorn or websockets.
 """

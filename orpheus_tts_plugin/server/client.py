@@ -1,10 +1,11 @@
-"""`RemoteEngine`: OrpheusEngine's interface over one persistent WebSocket to `orpheus-tts serve`.
+"""`RemoteEngine`: OrpheusEngine's interface over one persistent WebSocket to each of its `orpheus-tts serve` servers.
 
-Threads: the connection lives on the RemoteEngine's own event loop in one daemon thread (started by
+Threads: the connections live on the RemoteEngine's own event loop in one daemon thread (started by
 `start()` or `prewarm()`). Callers on any loop in any thread hand requests to it with
 `call_soon_threadsafe` and get their chunks back the same way, batched: one call per caller loop per
-turn of the connection's loop. So, like OrpheusEngine, one RemoteEngine (one socket) serves every
-caller of a process. Create it in the process that uses it: its thread does not survive a fork.
+turn of the connection's loop. So, like OrpheusEngine, one RemoteEngine (one socket per server) serves
+every caller of a process. Create it in the process that uses it: its thread does not survive a fork.
+With several servers, each new stream goes to the least-loaded one that serves (`upstream.choose`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import asyncio
 import collections
 import contextlib
 import os
-import random
 import ssl as ssl_module
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -27,29 +27,36 @@ from ..mailbox import Mailbox
 from ..spec import SPECS, ModelSpec, spec_for
 from ..text import split_sentences
 from . import protocol
-from .connection import Connection, Item, endpoint, to_mailbox
+from .connection import Connection, Item, to_mailbox
+from .upstream import Upstream, choose, server_urls
 
 
 @dataclass(frozen=True)
 class RemoteConfig:
     """Where a RemoteEngine connects and the model it names: what adapters read as `engine.config`."""
 
-    url: str
+    url: str  # its server, or its servers' URLs joined by commas
     model: str | None = None  # a label only (adapters show it); the server decides what it runs
     model_family: str = "orpheus-en"
     backend: str = "serve"
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Each server's URL, in the order given."""
+        return server_urls(self.url)
 
 
 class _CallerStream:
     """One synthesize() call: created on the caller's loop; `box` is read there only."""
 
-    __slots__ = ("box", "closed", "conn", "loop", "put", "sid")
+    __slots__ = ("box", "closed", "conn", "loop", "put", "sid", "upstream")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.box: Mailbox[AudioChunk] = Mailbox()
         self.put = to_mailbox(self.box)  # caller's loop only
         self.closed = False  # set by the caller when it leaves early; read on the connection's loop
+        self.upstream: Upstream | None = None  # the server it went to; connection's loop only
         self.conn: Connection | None = None  # connection's loop only
         self.sid: int | None = None  # connection's loop only
 
@@ -86,14 +93,16 @@ class _Outbound:
 
 
 class RemoteEngine:
-    """Text in, 24 kHz PCM out, from an `orpheus-tts serve` server: the OrpheusEngine interface adapters use.
+    """Text in, 24 kHz PCM out, from `orpheus-tts serve` servers: the OrpheusEngine interface adapters use.
 
     `synthesize`, `check_options`, `start`, `prewarm`, `aclose`, `health`, `ready`, `stats`, `load`,
     `config` (`.model`, `.backend`) and `spec` (voices) behave as OrpheusEngine's do. Voices and
-    sampling are checked locally: against the model family's voices until the server's hello, then
+    sampling are checked locally: against the model family's voices until a server's hello, then
     against what the server said it accepts. A lost connection ends the calls it carried with an
     EngineError at once and is re-opened with exponential backoff (jittered); server errors arrive as
     the same exception classes (at capacity → EngineOverloadedError, bad input → ValueError/TypeError).
+    Given several servers (all serving the same model), it keeps one connection to each and sends each
+    new stream to the least-loaded one that serves; one that drops or drains gets no new streams.
     """
 
     _shared: ClassVar[dict[tuple[int, RemoteConfig], RemoteEngine]] = {}
@@ -101,49 +110,54 @@ class RemoteEngine:
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         model: str | None = None,
         model_family: str = "orpheus-en",
         ssl: ssl_module.SSLContext | None = None,
         connect_timeout_s: float = 5.0,
         backoff_s: tuple[float, float] = (0.05, 2.0),
+        keepalive_s: tuple[float, float] | None = (1.0, 3.0),
         api_key: str | None = None,
     ):
-        """`url`: ws://HOST:PORT (or wss://, http(s)://, unix:/PATH); `ssl` for wss with a private CA;
-        `connect_timeout_s`: how long start() and a call wait for a connection; `backoff_s`: first and
-        longest wait between reconnection attempts; `api_key`: the server's key (default $ORPHEUS_API_KEY)."""
-        endpoint(url)  # a malformed URL fails here, not in the background
-        self.config = RemoteConfig(url, model, model_family)
+        """`url`: ws://HOST:PORT (or wss://, http(s)://, unix:/PATH), or several servers as a sequence or a
+        comma-separated string; `ssl` for wss with a private CA; `connect_timeout_s`: how long start() and a
+        call wait for a connection; `backoff_s`: first and longest wait between reconnection attempts, per
+        server; `keepalive_s`: ping each server this often and drop one that leaves a ping unanswered this
+        long (a hung or unreachable machine; None: never); `api_key`: the servers' key (default
+        $ORPHEUS_API_KEY)."""
+        urls = server_urls(url)
+        self.config = RemoteConfig(",".join(urls), model, model_family)
         self.spec: ModelSpec = spec_for(model_family)  # replaced at each hello (connection's loop writes)
         self.sampling = SamplingParams()  # the server's defaults, replaced at each hello
         self._sentence_max_chars = EngineConfig().sentence_max_chars  # the server's, replaced at each hello
         self._ssl = ssl
         self._api_key = api_key  # None: Connection.open takes $ORPHEUS_API_KEY
         self._connect_timeout_s = connect_timeout_s
-        self._backoff = backoff_s
+        self._keepalive_s = keepalive_s
         self._lock = threading.Lock()  # guards _thread, _closed, _counters
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the connection's loop, once the thread runs
         self._closed = False
         self._counters: collections.Counter[str] = collections.Counter()
         # The rest belongs to the connection's loop (other threads only read the references).
-        self._conn: Connection | None = None
-        self._status: dict[str, Any] = {}
-        self._last_error: str | None = None
+        self._upstreams = tuple(Upstream(u, self._connect, backoff_s, self._adopt) for u in urls)
+        self._turn = 0  # round-robin among equally loaded servers
         self._open: set[_CallerStream] = set()
-        self._up = asyncio.Event()
-        self._keeper: asyncio.Task[None] | None = None
+        self._connected = asyncio.Event()  # set at each new connection and at shutdown: waiters look again
+        self._keepers: list[asyncio.Task[None]] = []
         self._outbound: _Outbound | None = None
 
     @classmethod
-    def shared(cls, url: str, **options: Any) -> RemoteEngine:
-        """The process-wide RemoteEngine for `url` (one socket for the whole process); `options` apply on creation."""
-        key = (os.getpid(), RemoteConfig(url, options.get("model"), options.get("model_family", "orpheus-en")))
+    def shared(cls, url: str | Sequence[str], **options: Any) -> RemoteEngine:
+        """The process-wide RemoteEngine for `url` (one socket per server for the whole process); `options`
+        apply on creation."""
+        joined = ",".join(server_urls(url))
+        key = (os.getpid(), RemoteConfig(joined, options.get("model"), options.get("model_family", "orpheus-en")))
         with cls._shared_lock:
             engine = cls._shared.get(key)
             if engine is None or engine._closed:
-                engine = cls._shared[key] = cls(url, **options)
+                engine = cls._shared[key] = cls(joined, **options)
             return engine
 
     # ---------------------------------------------------------------- lifecycle
@@ -151,65 +165,90 @@ class RemoteEngine:
         """Start connecting in the background and return at once (from any thread)."""
         self._ensure_thread()
 
-    async def start(self) -> None:
-        """Wait until connected (up to `connect_timeout_s`); EngineError if the server cannot be reached."""
+    async def start(self, *, every_server: bool = False) -> None:
+        """Wait until connected to a server (to each, if `every_server`), up to `connect_timeout_s`; EngineError
+        naming the servers that cannot be reached."""
         self._ensure_thread()
-        if self._conn is None:
-            fut = asyncio.run_coroutine_threadsafe(self._wait_up(self._connect_timeout_s), self._loop)
+        if not self._reached(every_server):
+            fut = asyncio.run_coroutine_threadsafe(self._wait_up(self._connect_timeout_s, every_server), self._loop)
             await asyncio.wrap_future(fut)
 
     @property
     def started(self) -> bool:
-        """Connected now."""
-        return self._conn is not None
+        """Connected now (to one server at least)."""
+        return self._reached(False)
 
     @property
     def ready(self) -> bool:
-        """Connected, and the server's engine serves new streams (not loading, failed or draining)."""
-        return self.health()["status"] == "ok" and not self._status.get("draining", False)
+        """Connected to a server whose engine serves new streams (not loading, failed or draining)."""
+        return not self._closed and any(u.usable for u in self._upstreams)
 
     def health(self) -> dict[str, Any]:
-        """{"status": "not started" | "starting" (connecting) | "ok" | "failed" | "closed", "reason"}."""
+        """{"status": "not started" | "starting" (connecting) | "ok" | "failed" | "closed", "reason"}: "ok" while
+        any server serves; otherwise what the first connected server says of itself."""
         if self._closed:
             return {"status": "closed", "reason": "aclose() was called"}
         if self._thread is None:
             return {"status": "not started", "reason": "start() or prewarm() not called yet"}
-        if self._conn is None:
-            return {"status": "starting", "reason": f"connecting to {self.config.url}: {self._last_error or '...'}"}
-        status = self._status.get("status", "ok")
-        return {"status": status, "reason": None if status == "ok" else self._status.get("reason")}
+        connected = [u for u in self._upstreams if u.conn is not None]
+        if not connected:
+            return {"status": "starting", "reason": f"connecting to {self.config.url}: {self._why_down('...')}"}
+        best = next((u for u in connected if u.status.get("status", "ok") == "ok"), connected[0])
+        status = best.status.get("status", "ok")
+        reason = best.status.get("reason")
+        if len(self._upstreams) > 1 and status != "ok":
+            reason = f"{best.url}: {reason}"
+        return {"status": status, "reason": None if status == "ok" else reason}
 
     @property
     def load(self) -> float:
-        """The server's load (fraction of its max_streams in use); 1.0 while not connected (it can take no call)."""
-        if self._conn is None:
-            return 1.0
-        return float(self._status.get("load", 0.0))
+        """The servers' mean load (fraction of max_streams in use); a server not connected, draining or not
+        serving counts as full (1.0: it can take no call)."""
+        return sum(u.load for u in self._upstreams) / len(self._upstreams)
 
     def stats(self) -> dict[str, Any]:
         """This process's streams (active_streams, started, completed, cancelled, failed, rejected), connects,
-        and the server's last status (load, readiness); `await server_stats()` has the server's own counters."""
+        and each server's last status (`servers`, by URL; with one URL also `server`); `await server_stats()`
+        has a server's own counters."""
         with self._lock:
             counters = dict(self._counters)
-        return {
+        streams = collections.Counter(s.upstream.url for s in list(self._open) if s.upstream is not None)
+        servers = {
+            u.url: {
+                "connected": u.conn is not None,
+                "load": u.load,
+                "active_streams": streams[u.url],
+                "connects": u.connects,
+                "last_error": u.last_error,
+                "status": dict(u.status),
+            }
+            for u in self._upstreams
+        }
+        out = {
             "active_streams": len(self._open),
             **counters,
-            "connected": self._conn is not None,
+            "connected": self.started,
             "load": self.load,
             "status": self.health()["status"],
-            "server": dict(self._status),
+            "servers": servers,
         }
+        if len(self._upstreams) == 1:
+            out["server"] = dict(self._upstreams[0].status)
+        return out
 
-    async def server_stats(self) -> dict[str, Any]:
-        """The server's own stats (engine counters, backend, process CPU seconds)."""
+    async def server_stats(self, url: str | None = None) -> dict[str, Any]:
+        """A server's own stats (engine counters, backend, process CPU seconds): of `url`, default the first."""
         await self.start()
-        conn = self._conn
+        upstream = next((u for u in self._upstreams if url in (None, u.url)), None)
+        if upstream is None:
+            raise ValueError(f"{url!r} is not one of this RemoteEngine's servers: {self.config.url}")
+        conn = upstream.conn
         if conn is None:
-            raise EngineError(f"not connected to {self.config.url}")
+            raise EngineError(f"not connected to {upstream.url}")
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(conn.server_stats(), self._loop))
 
     async def aclose(self) -> None:
-        """End every open call with EngineClosedError, close the socket and the thread. Cannot be restarted."""
+        """End every open call with EngineClosedError, close the sockets and the thread. Cannot be restarted."""
         with self._lock:
             if self._closed:
                 return
@@ -236,7 +275,7 @@ class RemoteEngine:
     def synthesize(
         self, text: str, *, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: Any
     ) -> AsyncGenerator[AudioChunk, None]:
-        """Speak `text` on the server: AudioChunks as OrpheusEngine.synthesize yields them (validated eagerly).
+        """Speak `text` on a server: AudioChunks as OrpheusEngine.synthesize yields them (validated eagerly).
 
         Leaving the loop early, `aclose()` or cancelling the task sends `cancel` at once.
         """
@@ -282,6 +321,18 @@ class RemoteEngine:
         with self._lock:
             self._counters[key] += 1
 
+    def _reached(self, every_server: bool) -> bool:
+        """Connected to a server (to every one, if `every_server`)."""
+        connected = (u.conn is not None for u in self._upstreams)
+        return all(connected) if every_server else any(connected)
+
+    def _why_down(self, unknown: str) -> str:
+        """Why the servers not connected are not (`unknown` for one that has not failed yet)."""
+        down = [u for u in self._upstreams if u.conn is None]
+        if len(self._upstreams) == 1:
+            return down[0].last_error or unknown if down else unknown
+        return "; ".join(f"{u.url}: {u.last_error or unknown}" for u in down) or unknown
+
     # ---------------------------------------------------------------- the connection's loop
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -299,64 +350,47 @@ class RemoteEngine:
         asyncio.set_event_loop(loop)
         self._loop = loop
         self._outbound = _Outbound(loop, self._cancel)
-        self._keeper = loop.create_task(self._keep_connected())
+        self._keepers = [loop.create_task(u.keep_connected()) for u in self._upstreams]
         running.set()
         try:
             loop.run_forever()
         finally:
             loop.close()
 
-    async def _keep_connected(self) -> None:
-        """Connect, serve until the socket closes, reconnect with jittered exponential backoff; for ever."""
-        first, longest = self._backoff
-        delay = first
-        while not self._closed:
-            try:
-                conn = await Connection.open(
-                    self.config.url,
-                    ssl=self._ssl,
-                    api_key=self._api_key,
-                    timeout_s=self._connect_timeout_s,
-                    on_status=self._on_status,
-                    on_close=self._on_close,
-                )
-            except EngineError as exc:
-                self._last_error = str(exc)
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(2 * delay, longest)
-                continue
-            delay = first
-            self._adopt(conn)
-            await conn.closed
+    async def _connect(
+        self, url: str, on_status: Callable[[dict[str, Any]], None], on_close: Callable[[str], None]
+    ) -> Connection:
+        """One connection to `url` with this engine's TLS, key, timeout and keepalive (for its Upstream)."""
+        return await Connection.open(
+            url,
+            ssl=self._ssl,
+            api_key=self._api_key,
+            timeout_s=self._connect_timeout_s,
+            keepalive_s=self._keepalive_s,
+            on_status=on_status,
+            on_close=on_close,
+        )
 
-    def _adopt(self, conn: Connection) -> None:
+    def _adopt(self, upstream: Upstream, conn: Connection) -> None:
         """A new connection: take the server's voices and sampling defaults, and let waiting callers in."""
         hello = conn.hello
         base = SPECS.get(hello.model_family) or ModelSpec(name=hello.model_family)
         self.spec = replace(base, voices=hello.voices, default_voice=hello.default_voice)
         self.sampling = hello.sampling
         self._sentence_max_chars = hello.sentence_max_chars
-        self._status = conn.status
-        self._conn = conn
         self._count("connects")
-        self._up.set()
+        self._connected.set()
 
-    def _on_status(self, message: dict[str, Any]) -> None:
-        self._status = message
-
-    def _on_close(self, reason: str) -> None:
-        """The connection closed: forget it before any of its calls hears of it (health and load say so)."""
-        self._last_error = reason
-        self._conn = None
-        self._up.clear()
-
-    async def _wait_up(self, timeout_s: float) -> None:
-        if self._conn is None and not self._closed:
+    async def _wait_up(self, timeout_s: float, every_server: bool) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self._reached(every_server) and not self._closed:
+            self._connected.clear()
             try:
-                await asyncio.wait_for(self._up.wait(), timeout_s)
+                await asyncio.wait_for(self._connected.wait(), deadline - asyncio.get_running_loop().time())
             except asyncio.TimeoutError:
+                unreached = ",".join(u.url for u in self._upstreams if u.conn is None) if every_server else None
                 raise EngineError(
-                    f"cannot reach {self.config.url} within {timeout_s:g} s: {self._last_error or 'no answer'}"
+                    f"cannot reach {unreached or self.config.url} within {timeout_s:g} s: {self._why_down('no answer')}"
                 ) from None
         if self._closed:
             raise EngineClosedError("RemoteEngine is closed")
@@ -364,30 +398,34 @@ class RemoteEngine:
     def _begin(self, stream: _CallerStream, request: protocol.Start) -> None:
         if stream.closed:
             return
-        conn = self._conn
-        if conn is None or conn.closed.done():
-            self._outbound.post(stream, EngineError(f"connection to {self.config.url} lost: {self._last_error}"))
+        upstream = choose(self._upstreams, self._turn)
+        self._turn += 1
+        if upstream is None:
+            self._outbound.post(stream, EngineError(f"connection to {self.config.url} lost: {self._why_down('')}"))
             return
         self._open.add(stream)
-        stream.conn = conn
-        stream.sid = conn.start(request, lambda item: self._arrive(stream, item))
+        stream.upstream = upstream
+        stream.conn, stream.sid = upstream.start(request, lambda item: self._arrive(stream, item))
 
     def _arrive(self, stream: _CallerStream, item: Item) -> None:
         if not isinstance(item, AudioChunk) or item.final:
             self._open.discard(stream)
+            stream.upstream.ended(stream.conn, stream.sid)
         self._outbound.post(stream, item)
 
     def _cancel(self, stream: _CallerStream) -> None:
         self._open.discard(stream)
-        if stream.conn is not None and stream.sid is not None:
+        if stream.upstream is not None and stream.sid is not None:
+            stream.upstream.ended(stream.conn, stream.sid)
             stream.conn.cancel(stream.sid)
 
     async def _shutdown(self) -> None:
-        self._keeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._keeper
-        if self._conn is not None:
-            await self._conn.aclose(EngineClosedError("RemoteEngine closed"))
-        self._up.set()  # waiting callers see _closed
+        for keeper in self._keepers:
+            keeper.cancel()
+        await asyncio.gather(*self._keepers, return_exceptions=True)
+        for upstream in self._upstreams:
+            if upstream.conn is not None:
+                await upstream.conn.aclose(EngineClosedError("RemoteEngine closed"))
+        self._connected.set()  # waiting callers see _closed
         self._outbound.flush()
         asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)

@@ -28,6 +28,7 @@ from . import protocol
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "ORPHEUS_API_KEY"  # the key a client sends when none is given
+CLOSE_TIMEOUT_S = 1.0  # a server answers a close in milliseconds; one that does not (hung) is left after this
 
 Item = AudioChunk | BaseException | None  # a chunk; the error that ends a stream; None: ended, no more audio
 Deliver = Callable[[Item], None]
@@ -116,14 +117,21 @@ class Connection:
         on_status: Callable[[dict], None] | None = None,
         on_close: Callable[[str], None] | None = None,
         api_key: str | None = None,
+        keepalive_s: tuple[float, float] | None = (20.0, 20.0),
     ) -> Connection:
         """Connect (sending `api_key`, default $ORPHEUS_API_KEY, as `Authorization: Bearer`) and wait for the
-        server's hello; EngineError if it cannot be reached, refuses the key, or is not a serve endpoint."""
+        server's hello; EngineError if it cannot be reached, refuses the key, or is not a serve endpoint.
+        `keepalive_s`: (ping interval, pong timeout); a server that leaves a ping unanswered that long is
+        taken as gone, and the connection closes (None: no pings)."""
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         uri, path = endpoint(url)
+        ping_interval, ping_timeout = keepalive_s or (None, None)
         options: dict[str, Any] = {
             "compression": None,  # deflate on PCM costs CPU and saves little
             "open_timeout": timeout_s,
+            "ping_interval": ping_interval,
+            "ping_timeout": ping_timeout,
+            "close_timeout": CLOSE_TIMEOUT_S,
             "max_queue": 256,
             "max_size": 2**22,
             "proxy": None,

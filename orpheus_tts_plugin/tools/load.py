@@ -8,6 +8,8 @@ per stream (the workers' CPU seconds plus those the server reports for itself). 
 runs, in the same run and at the same load, the anti-pattern of a new connection per request;
 `--serve ARGS` starts the server for the run and `--in-process` adds the same load on an in-process
 engine built from those ARGS, so that the server's overhead is read off one table and one plot.
+Given several servers (`URL,URL,…`), each process reaches them all through one RemoteEngine (which
+sends each stream to the least-loaded one), and the servers' CPU seconds are added up.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ START_MARGIN_S = 1.0  # workers connect first, then all start together this long
 class LoadOptions:
     """One `orpheus-tts load` run."""
 
-    url: str | None = None  # ws://…, wss://… or unix:/…; None: the server started from `serve`
+    url: str | None = None  # ws://…, wss://… or unix:/…, or several joined by commas; None: started from `serve`
     procs: int = 1
     concurrency: tuple[int, ...] = (1, 4, 16)
     duration_s: float = 15.0
@@ -90,7 +92,7 @@ class LoadOptions:
 class Job:
     """One worker's share of one point."""
 
-    url: str | None  # the server; None for the in-process scheme
+    url: str | None  # the server, or the servers joined by commas; None for the in-process scheme
     serve_flags: str | None  # the in-process scheme: the engine these `serve` flags describe
     cafile: str | None
     scheme: str
@@ -136,16 +138,20 @@ class _Reused:
 
 
 class _Fresh:
-    """`synthesize(text)` on a new connection each time (the anti-pattern `--fresh-connection` measures)."""
+    """`synthesize(text)` on a new connection each time (the anti-pattern `--fresh-connection` measures); with
+    several servers, to each in turn."""
 
     def __init__(self, url: str, cafile: str | None):
-        self.url, self.ssl = url, _ssl_context(cafile)
+        self.urls, self.ssl = _urls(url), _ssl_context(cafile)
+        self.turn = 0
 
     async def synthesize(self, text: str) -> AsyncGenerator[AudioChunk, None]:
         from ..server.connection import Connection
         from ..server.protocol import Start
 
-        conn = await Connection.open(self.url, ssl=self.ssl)
+        url = self.urls[self.turn % len(self.urls)]
+        self.turn += 1
+        conn = await Connection.open(url, ssl=self.ssl)
         try:
             async for chunk in conn.stream(Start(text)):
                 yield chunk
@@ -184,17 +190,34 @@ async def _warm(client: Any) -> None:
         pass
 
 
-async def _drive(job: Job) -> Share:
-    """One worker's traffic for one point, on this process's one loop."""
+async def _reused(url: str, cafile: str | None) -> Any:
+    """The worker's client of the production pattern: one connection, or a RemoteEngine over several servers
+    (connected to each before the point starts)."""
+    from ..server.client import RemoteEngine
     from ..server.connection import Connection
 
+    if len(_urls(url)) == 1:
+        return _Reused(await Connection.open(url, ssl=_ssl_context(cafile)))
+    engine = RemoteEngine(url, ssl=_ssl_context(cafile))
+    await engine.start(every_server=True)
+    return engine
+
+
+def _urls(url: str) -> tuple[str, ...]:
+    from ..server.upstream import server_urls
+
+    return server_urls(url)
+
+
+async def _drive(job: Job) -> Share:
+    """One worker's traffic for one point, on this process's one loop."""
     if job.scheme == "in-process":
         client: Any = await _in_process_engine(job.serve_flags)
         before = client.stats().get("tokens", 0)
     elif job.scheme == "fresh":
         client = _Fresh(job.url, job.cafile)
     else:
-        client = _Reused(await Connection.open(job.url, ssl=_ssl_context(job.cafile)))
+        client = await _reused(job.url, job.cafile)
     await asyncio.sleep(max(0.0, job.start_at - time.monotonic()))
     started, cpu = time.monotonic(), time.process_time()
     if job.traffic == "constant":
@@ -265,6 +288,12 @@ def _wait_ready(url: str, proc: subprocess.Popen, cafile: str | None, timeout_s:
     raise TimeoutError(f"the server at {url} was not ready within {timeout_s:g} s")
 
 
+def _servers_stats(url: str, cafile: str | None, warm: bool = False) -> dict[str, float]:
+    """The CPU seconds and tokens of the servers of `url` (one, or several joined by commas), added up."""
+    stats = [asyncio.run(_server_stats(one, cafile, warm)) for one in _urls(url)]
+    return {key: sum(s.get(key, 0) for s in stats) for key in ("process_cpu_s", "tokens")}
+
+
 async def _server_stats(url: str, cafile: str | None, warm: bool = False) -> dict[str, Any]:
     """The server's stats over a connection of its own (after one utterance, if `warm`)."""
     from ..server.connection import Connection
@@ -318,7 +347,7 @@ def run_point(
     """One (scheme, traffic, level) point: every worker's records merged into the figures of `bench engine`."""
     scheme, traffic, level, rate = point
     remote = scheme != "in-process"
-    before = asyncio.run(_server_stats(url, cafile)) if remote else None
+    before = _servers_stats(url, cafile) if remote else None
     futures = [pools[scheme].submit(_work, job) for job in _jobs(opts, url, cafile, scheme, traffic, level, rate)]
     t0 = time.monotonic()
     while concurrent.futures.wait(futures, timeout=0.5).not_done:
@@ -329,9 +358,9 @@ def run_point(
     wall = max(s.ended for s in shares) - min(s.started for s in shares)
     client_cpu = sum(s.cpu_s for s in shares)
     if remote:
-        after = asyncio.run(_server_stats(url, cafile))
+        after = _servers_stats(url, cafile)
         server_cpu = after["process_cpu_s"] - before["process_cpu_s"]
-        tokens = after.get("tokens", 0) - before.get("tokens", 0)
+        tokens = int(after["tokens"] - before["tokens"])
     else:
         server_cpu, tokens = 0.0, sum(s.tokens for s in shares)
     out = {"traffic": traffic, "scheme": scheme, "concurrency": level, "rate_per_s": rate, "procs": len(shares)}
@@ -353,7 +382,7 @@ def run(opts: LoadOptions) -> dict[str, Any]:
         if opts.serve is not None:
             url, own_cert = stack.enter_context(_spawned_server(opts.serve))
             cafile = cafile or own_cert
-        asyncio.run(_server_stats(url, cafile, warm=True))
+        _servers_stats(url, cafile, warm=True)
         pools: dict[str, concurrent.futures.Executor] = {}
         remote_pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(opts.procs, mp_context=spawn))
         pools["reuse"] = pools["fresh"] = remote_pool
@@ -406,7 +435,10 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `load` flags (nothing heavy is imported here: `orpheus-tts --help` stays light)."""
     d = LoadOptions(url="ws://unused")
-    p.add_argument("url", nargs="?", default=None, help="ws://HOST:PORT, wss://…, unix:/PATH (or use --serve)")
+    p.add_argument(
+        "url", nargs="?", default=None, help="ws://HOST:PORT, wss://…, unix:/PATH, or several: URL,URL,… (or --serve)"
+    )
+    p.add_argument("--url", dest="url_flag", default=None, metavar="URL[,URL…]", help="the same as the URL argument")
     p.add_argument("--procs", type=int, default=d.procs, help="client processes, one connection each")
     p.add_argument("--concurrency", type=_ints, default=d.concurrency, help="concurrent streams, e.g. 1,4,16")
     p.add_argument("--duration", dest="duration_s", type=float, default=d.duration_s, help="seconds per point")
@@ -433,6 +465,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run `orpheus-tts load` from parsed flags."""
     names = set(LoadOptions.__dataclass_fields__)
-    result = run(LoadOptions(**{k: v for k, v in vars(args).items() if k in names}))
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if args.url_flag is not None:
+        if args.url is not None:
+            raise SystemExit("orpheus-tts load: error: give the URL once (as the argument or as --url)")
+        given["url"] = args.url_flag
+    result = run(LoadOptions(**given))
     report(result, args.json)
     return 0

@@ -1,0 +1,132 @@
+"""The servers of a RemoteEngine: each one's connection, kept up by itself, and the choice of where a new stream goes.
+
+A server is left for new streams the moment its connection drops, and once its pushed `status` says it
+drains or its engine does not serve (the server checks its status every `app.STATUS_INTERVAL_S`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from ..errors import EngineError
+from . import protocol
+from .connection import Connection, Deliver, endpoint
+
+# Opens one connection to a URL, with the status and close callbacks of its Upstream.
+Connect = Callable[[str, Callable[[dict[str, Any]], None], Callable[[str], None]], Awaitable[Connection]]
+
+
+def server_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
+    """The URLs of one URL, of a comma-separated list of them, or of a sequence of either; ValueError for a
+    malformed one or none (a comma inside a URL must be written %2C)."""
+    items = [urls] if isinstance(urls, str) else list(urls)
+    if not all(isinstance(item, str) for item in items):
+        raise TypeError(f"url must be a str or a sequence of str, got {urls!r}")
+    out = tuple(part.strip() for item in items for part in item.split(",") if part.strip())
+    if not out:
+        raise ValueError(f"url must name at least one server, got {urls!r}")
+    for url in out:
+        endpoint(url)  # a malformed URL fails here, not in the background
+    return out
+
+
+class Upstream:
+    """One server of a RemoteEngine: its connection (re-opened with its own jittered backoff), its last status,
+    and this client's streams started on it since that status (which the status cannot count yet).
+
+    Everything here belongs to the RemoteEngine's connection loop; other threads only read references.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        connect: Connect,
+        backoff_s: tuple[float, float],
+        on_up: Callable[[Upstream, Connection], None],
+    ):
+        self.url = url
+        self.conn: Connection | None = None  # None while not connected
+        self.status: dict[str, Any] = {}  # the server's last `status` message
+        self.last_error: str | None = None  # why the last connection attempt failed or the connection closed
+        self.connects = 0
+        self._connect = connect
+        self._backoff = backoff_s
+        self._on_up = on_up  # called with each new connection, once it is this Upstream's
+        self._unreported: set[int] = set()  # ids (on `conn`) of open streams started since the last status
+
+    async def keep_connected(self) -> None:
+        """Connect, serve until the socket closes, reconnect with jittered exponential backoff; until cancelled."""
+        first, longest = self._backoff
+        delay = first
+        while True:
+            try:
+                conn = await self._connect(self.url, self._on_status, self._on_close)
+            except EngineError as exc:
+                self.last_error = str(exc)
+                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(2 * delay, longest)
+                continue
+            delay = first
+            self.status, self.conn = conn.status, conn
+            self._unreported.clear()
+            self.connects += 1
+            self._on_up(self, conn)
+            await conn.closed
+
+    # ---------------------------------------------------------------- what it can take
+    @property
+    def usable(self) -> bool:
+        """Connected, and its last status says its engine serves and it is not draining."""
+        return self.conn is not None and self.status.get("status", "ok") == "ok" and not self.status.get("draining")
+
+    @property
+    def load(self) -> float:
+        """The server's load as it last said it; 1.0 (nothing to spare) while not usable."""
+        return float(self.status.get("load", 0.0)) if self.usable else 1.0
+
+    def expected_load(self) -> float:
+        """Its last pushed load plus this client's streams started on it since then, as a fraction of its capacity."""
+        max_streams = self.conn.hello.max_streams if self.conn is not None else 1
+        return float(self.status.get("load", 0.0)) + len(self._unreported) / max(1, max_streams)
+
+    # ---------------------------------------------------------------- streams
+    def start(self, request: protocol.Start, deliver: Deliver) -> tuple[Connection, int]:
+        """Start a stream on the current connection (which must be up): (that connection, the stream id)."""
+        conn = self.conn
+        if conn is None:
+            raise EngineError(f"not connected to {self.url}")
+        sid = conn.start(request, deliver)
+        self._unreported.add(sid)
+        return conn, sid
+
+    def ended(self, conn: Connection, sid: int) -> None:
+        """A stream of `conn` ended (or was cancelled): no longer counted on top of the status."""
+        if conn is self.conn:
+            self._unreported.discard(sid)
+
+    def _on_status(self, message: dict[str, Any]) -> None:
+        self.status = message
+        self._unreported.clear()
+
+    def _on_close(self, reason: str) -> None:
+        """The connection closed: forget it before any of its streams hears of it (choose() skips it at once)."""
+        self.last_error = reason
+        self.conn = None
+        self._unreported.clear()
+
+
+def choose(upstreams: Sequence[Upstream], turn: int) -> Upstream | None:
+    """Where a new stream goes: the usable server with the least expected load, ties round-robin from `turn`.
+
+    With none usable, the least loaded connected one (its own refusal, e.g. "draining", then says why);
+    None when none is connected.
+    """
+    connected = [u for u in upstreams if u.conn is not None]
+    candidates = [u for u in connected if u.usable] or connected
+    if not candidates:
+        return None
+    at = turn % len(candidates)
+    return min(candidates[at:] + candidates[:at], key=Upstream.expected_load)  # min keeps the first of equals

@@ -584,7 +584,7 @@ class OrpheusEngine:
         except BaseException:  # noqa: BLE001 - a failed start leaves nothing to stop
             return
         fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-        await asyncio.wrap_future(fut)
+        await asyncio.shield(asyncio.wrap_future(fut))  # a cancelled caller must not leave it half done
         self._loop.call_soon_threadsafe(self._loop.stop)
         await asyncio.to_thread(self._thread.join)
 

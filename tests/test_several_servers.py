@@ -350,3 +350,29 @@ def test_orpheus_tts_load_takes_a_list_of_servers_and_spreads_its_streams(
     assert point["server_cpu_s"] > 0
     assert all(n >= 2 for n in started)  # the warm-up and some of the traffic on each
     assert sum(started) == point["utterances"] + 2
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+async def test_a_cancelled_start_leaves_the_remote_engine_as_it_was(config: EngineConfig) -> None:
+    nowhere = RemoteEngine(f"ws://127.0.0.1:{free_port()}", connect_timeout_s=0.5)
+    try:
+        waiting = asyncio.create_task(nowhere.start())
+        await until(lambda: nowhere.health()["status"] == "starting")
+        waiting.cancel()  # a job that ends while the client connects
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert nowhere.health()["status"] == "starting"
+        with pytest.raises(EngineError, match="cannot reach"):
+            await nowhere.start()  # the usual error, not the cancellation
+    finally:
+        await nowhere.aclose()
+    with servers(config, 1) as (one,):
+        remote = RemoteEngine(one.url)
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(remote.start(), 0)  # a caller's own deadline, passed at once
+            await remote.start()
+            assert remote.health()["status"] == "ok"
+            assert (await heard(remote.synthesize(TEXT)))[-1].final
+        finally:
+            await remote.aclose()

@@ -256,7 +256,8 @@ class RemoteEngine:
             thread = self._thread
         if thread is None:
             return
-        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop))
+        shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        await asyncio.shield(asyncio.wrap_future(shutdown))  # a cancelled caller must not leave it half done
         await asyncio.to_thread(thread.join)
 
     # ---------------------------------------------------------------- options

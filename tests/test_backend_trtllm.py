@@ -1,21 +1,19 @@
-"""TensorRT-LLM backend against a stand-in `tensorrt_llm` that imitates the 1.2 LLM API and PyTorch executor.
+"""TensorRT-LLM backend against stand-ins of TensorRT-LLM 1.2 and >= 1.3 (tests/trtllm_standin/).
 
-TensorRT-LLM never ran in this project (no CUDA, wheel only on NVIDIA's index). The stand-in follows the upstream
-1.2 code on the points this backend depends on, each named where it is imitated: the sampler `sampler_type`
-selects (TorchSampler: one shared generator, no repetition penalty, embedding-bias rows stacked on the host every
-step; TRTLLMSampler: per-request seeds and penalties, the bias copied once into the decoder's slot), the request
-queue (an abort of a waiting request is dropped silently; an active one ends "cancelled" at the next iteration),
-and `KvCacheConfig` / `SamplingParams` fields.
+TensorRT-LLM never ran in this project (no CUDA, wheel only on NVIDIA's index). Each stand-in follows the upstream
+code of its line on the points this backend depends on, and names it: the sampler `sampler_type` selects or
+rejects, penalties and seeds, the embedding bias per step, logits processors one step late under the overlap
+scheduler, the request path into the worker (pickled), the request queue and its silent aborts, finish reasons.
+Tests marked for one line are about what differs; the rest run on both.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
+import pickle
 import sys
 import types
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,266 +22,27 @@ import torch
 
 from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.config import SamplingParams
-from orpheus_tts_plugin.spec import ENGLISH
+from orpheus_tts_plugin.spec import ENGLISH, TOKENS_PER_FRAME
+from tests.trtllm_standin import LLM, CudaGraphConfig, KvCacheConfig, install
 
 SPEC = ENGLISH
 AUDIO = [SPEC.audio_token(0, 5), SPEC.audio_token(1, 6), SPEC.audio_token(2, 7), SPEC.audio_token(3, 8)]
 
 
-# ---- stand-in for tensorrt_llm 1.2 (field names and defaults as upstream; unknown keywords raise) ----
-
-
-@dataclass(kw_only=True)
-class FakeSamplingParams:
-    end_id: int | None = None
-    pad_id: int | None = None
-    max_tokens: int = 32
-    bad_token_ids: list[int] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    embedding_bias: torch.Tensor | None = None
-    n: int = 1
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    temperature: float | None = None
-    min_tokens: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    ignore_eos: bool = False
-    detokenize: bool = True
-    skip_special_tokens: bool = True
-
-
-@dataclass(kw_only=True)
-class FakeKvCacheConfig:
-    enable_block_reuse: bool = True
-    max_tokens: int | None = None
-    free_gpu_memory_fraction: float | None = None
-    dtype: str = "auto"
-
-
-@dataclass(kw_only=True)
-class FakeCudaGraphConfig:
-    batch_sizes: list[int] | None = None
-    max_batch_size: int = 0
-    enable_padding: bool = False
-
-
-class SamplerType12(str, enum.Enum):
-    """tensorrt_llm/llmapi/llm_args.py SamplerType in 1.2."""
-
-    TRTLLMSampler = "TRTLLMSampler"
-    TorchSampler = "TorchSampler"
-    auto = "auto"
-
-
-class SamplerType14(str, enum.Enum):
-    """After 1.3.0rc24 (docs of 1.3.0rc26, 1.4.0rc4): TRTLLMSampler removed, "TRTLLMSampler" rejected."""
-
-    TorchSampler = "TorchSampler"
-    auto = "auto"
-
-
-@dataclass
-class FakeCompletionOutput:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    _last_token_ids_len: int = 0
-
-    @property
-    def token_ids_diff(self) -> list[int]:
-        return self.token_ids[self._last_token_ids_len :]
-
-
-class FakeResult:
-    """Like executor/result.py GenerationResult: async-iterates itself once per executor response."""
-
-    def __init__(self, llm: FakeLLM, prompt: list[int], params: FakeSamplingParams):
-        self.llm = llm
-        self.prompt_token_ids = prompt
-        self.sampling_params = params
-        # llm_request.py LlmRequest.__init__ keeps its own bias tensor (from the C++ request): one per request.
-        self.bias = None if params.embedding_bias is None else params.embedding_bias.clone()
-        self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else 0)
-        self.aborts = 0
-        self.cancelled = False
-        self._done = False
-        self._queue: asyncio.Queue[tuple[list[int], str | None] | BaseException] = asyncio.Queue()
-        self._outputs = [FakeCompletionOutput(0)]
-
-    @property
-    def outputs(self) -> list[FakeCompletionOutput]:
-        return self._outputs
-
-    @property
-    def finished(self) -> bool:
-        return self._done
-
-    def step(self, ids: list[int], finish: str | None = None) -> None:
-        """One response of the executor (tests that drive outputs by hand)."""
-        self._queue.put_nowait((ids, finish))
-
-    def fail(self, exc: BaseException) -> None:
-        self._queue.put_nowait(exc)
-
-    def abort(self) -> None:
-        """Like GenerationResult.abort → executor.abort_request: only marks the id; nothing is sent back now."""
-        self.aborts += 1
-        self.cancelled = True
-
-    def __aiter__(self) -> FakeResult:
-        return self
-
-    async def __anext__(self) -> FakeResult:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        ids, finish = item
-        out = self._outputs[0]
-        out._last_token_ids_len = len(out.token_ids)
-        out.token_ids.extend(ids)
-        if finish is not None:
-            self._done = True
-            out.finish_reason = finish
-        return self
-
-
-_LLM_ARGS = {
-    "model",
-    "tokenizer",
-    "skip_tokenizer_init",
-    "kv_cache_config",
-    "max_batch_size",
-    "max_num_tokens",
-    "max_seq_len",
-    "cuda_graph_config",
-    "enable_chunked_prefill",
-    "disable_overlap_scheduler",
-    "backend",
-    "dtype",
-    "trust_remote_code",
-    "tensor_parallel_size",
-    "sampler_type",
-}
-
-
-class FakeLLM:
-    """Like llmapi/llm.py LLM with the PyTorch executor (_torch/pyexecutor/py_executor.py PyExecutor)."""
-
-    instances: list[FakeLLM] = []
-    sampler_types: type[enum.Enum] = SamplerType12
-
-    def __init__(self, model: str, **kwargs: Any):
-        unknown = set(kwargs) - _LLM_ARGS
-        if unknown:
-            raise TypeError(f"unexpected LLM arguments {unknown}")
-        self.model = model
-        self.kwargs = kwargs
-        # llm_args.py TorchLlmArgs.sampler_type: "auto" → TorchSampler unless beam search; an unknown name raises.
-        requested = kwargs.get("sampler_type", "auto")
-        self.sampler = self.sampler_types(requested).value
-        self.sampler = "TorchSampler" if self.sampler == "auto" else self.sampler
-        self.results: list[FakeResult] = []
-        self.calls: list[dict[str, Any]] = []
-        self.active: list[FakeResult] = []
-        self.waiting: list[FakeResult] = []
-        self.host_bias_bytes_per_step: list[int] = []
-        self.bias_uploads = 0
-        self.shared_generator = torch.Generator().manual_seed(0)
-        self.shut = False
-        FakeLLM.instances.append(self)
-
-    def generate_async(
-        self,
-        inputs: Any,
-        sampling_params: FakeSamplingParams | None = None,
-        lora_request=None,
-        prompt_adapter_request=None,
-        streaming: bool = False,
-        kv_cache_retention_config=None,
-        disaggregated_params=None,
-        scheduling_params=None,
-    ) -> FakeResult:
-        assert isinstance(sampling_params, FakeSamplingParams)
-        self.calls.append({"inputs": inputs, "streaming": streaming})
-        result = FakeResult(self, list(inputs), sampling_params)
-        self.results.append(result)
-        self.waiting.append(result)
-        return result
-
-    def iterate(self) -> None:
-        """One executor iteration: cancellations, admission into free slots, one sampled token per active request."""
-        # py_executor.py PyExecutor._handle_canceled_requests: executor_request_queue.update_waiting_queue() drops
-        # cancelled waiting requests without a response; active ones finish with FinishReason.CANCELLED.
-        self.waiting = [r for r in self.waiting if not r.cancelled]
-        for r in [r for r in self.active if r.cancelled]:
-            self.active.remove(r)
-            r.step([], "cancelled")
-        while self.waiting and len(self.active) < self.kwargs.get("max_batch_size", 2048):
-            r = self.waiting.pop(0)
-            self.active.append(r)
-            if self.sampler == "TRTLLMSampler" and r.bias is not None:
-                self.bias_uploads += 1  # CreateNewDecoderRequests::newRequest copies it into the slot, once
-        if self.sampler == "TorchSampler":
-            # sampler.py TorchSampler._apply_embedding_bias: unique bias tensors (by identity) stacked into a
-            # pinned host tensor and copied to the GPU every step.
-            unique = {id(r.bias): r.bias for r in self.active if r.bias is not None}
-            self.host_bias_bytes_per_step.append(sum(b.numel() * b.element_size() for b in unique.values()))
-        else:
-            self.host_bias_bytes_per_step.append(0)
-        for r in self.active:
-            r.step([self._sample(r)])
-
-    def _sample(self, r: FakeResult) -> int:
-        """A toy model whose logits fall slowly away from one id; the sampler decides penalty and randomness."""
-        distance = (torch.arange(SPEC.vocab_size) - SPEC.first_audio_token).abs().to(torch.float32)
-        logits = 1.0 - 1e-4 * distance  # the first audio id on top, its neighbours just below
-        if r.bias is not None:
-            logits = logits + r.bias
-        p = r.sampling_params
-        seen = r.prompt_token_ids + r.outputs[0].token_ids
-        if self.sampler == "TRTLLMSampler" and p.repetition_penalty not in (None, 1.0) and seen:
-            # The C++ decoder's penalty kernel: seen ids' positive logits divided, negative ones multiplied.
-            idx = torch.tensor(sorted(set(seen)))
-            vals = logits[idx]
-            logits[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        # TorchSampler in 1.2 applies no repetition penalty and draws from one generator for every request
-        # (sampler.py TorchSampler.get_generator); TRTLLMSampler seeds each request's curand state.
-        if not p.temperature:
-            return int(torch.argmax(logits))
-        gen = r.generator if self.sampler == "TRTLLMSampler" else self.shared_generator
-        probs = torch.softmax(logits / p.temperature, dim=0)
-        return int(torch.multinomial(probs, 1, generator=gen))
-
-    def shutdown(self) -> None:
-        self.shut = True
+@pytest.fixture(params=["1.2", "1.3"])
+def trt(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """The stand-in of each line in turn."""
+    return install(monkeypatch, request.param)
 
 
 @pytest.fixture
-def fake_trtllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    root = types.ModuleType("tensorrt_llm")
-    root.__version__ = "1.2.1"
-    root.LLM = FakeLLM
-    root.SamplingParams = FakeSamplingParams
-    llmapi = types.ModuleType("tensorrt_llm.llmapi")
-    llmapi.KvCacheConfig = FakeKvCacheConfig
-    llmapi.CudaGraphConfig = FakeCudaGraphConfig
-    llm_args = types.ModuleType("tensorrt_llm.llmapi.llm_args")
-    llm_args.SamplerType = SamplerType12
-    root.llmapi = llmapi
-    llmapi.llm_args = llm_args
-    monkeypatch.setitem(sys.modules, "tensorrt_llm", root)
-    monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
-    monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi.llm_args", llm_args)
-    monkeypatch.setattr(FakeLLM, "sampler_types", SamplerType12)
-    FakeLLM.instances = []
-    return root
+def trt12(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    return install(monkeypatch, "1.2")
+
+
+@pytest.fixture
+def trt13(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    return install(monkeypatch, "1.3")
 
 
 def checkpoint(root: Path, *, kv: str | None = None, vocab: int = SPEC.vocab_size) -> str:
@@ -323,7 +82,7 @@ async def started(model: str, **kwargs: Any):
 
     backend = TrtllmBackend(model, **kwargs)
     await backend.start()
-    return backend, FakeLLM.instances[-1]
+    return backend, LLM.instances[-1]
 
 
 async def settle() -> None:
@@ -335,7 +94,7 @@ async def _collect(stream) -> list[list[int]]:
     return [ids async for ids in stream]
 
 
-async def take(stream, n: int, llm: FakeLLM) -> list[int]:
+async def take(stream, n: int, llm: LLM) -> list[int]:
     """The next `n` ids of `stream`, running one executor iteration per id."""
     out: list[int] = []
     while len(out) < n:
@@ -344,7 +103,25 @@ async def take(stream, n: int, llm: FakeLLM) -> list[int]:
     return out
 
 
-# ---- import, version, sampler ----
+async def seeded_ids(model: str, seeds: list[int], n: int = 12) -> list[list[int]]:
+    """`n` ids of one stream per seed, all in one batch of one fresh backend (unconstrained, temperature 1)."""
+    backend, llm = await started(model)
+    streams = [
+        backend.generate(request(f"s{i}", seed=s, temperature=1.0, constrain=False)) for i, s in enumerate(seeds)
+    ]
+    ids = [await take(s, n, llm) for s in streams]
+    for s in streams:
+        await s.aclose()
+    await backend.close()
+    return ids
+
+
+def positions(ids: list[int]) -> list[int]:
+    """The frame position each audio id encodes."""
+    return [(i - SPEC.first_audio_token) // 4096 for i in ids]
+
+
+# ---- import, version, which line ----
 
 
 def test_import_guard_says_how_to_get_tensorrt_llm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -357,71 +134,273 @@ def test_import_guard_says_how_to_get_tensorrt_llm(monkeypatch: pytest.MonkeyPat
     assert "pypi.nvidia.com" in message and "nvcr.io/nvidia/tensorrt-llm/release:1.2" in message
 
 
-def test_a_tensorrt_llm_older_than_1_2_is_refused(fake_trtllm) -> None:
+def test_a_tensorrt_llm_older_than_1_2_is_refused(trt12) -> None:
     from orpheus_tts_plugin.backends.trtllm import TrtllmBackend
 
-    fake_trtllm.__version__ = "1.1.0"
+    trt12.__version__ = "1.1.0"
     with pytest.raises(ImportError, match="found TensorRT-LLM 1.1.0"):
         TrtllmBackend("/models/x")
 
 
-def test_a_tensorrt_llm_without_trtllm_sampler_is_refused_unless_a_sampler_is_chosen(fake_trtllm, model) -> None:
-    from orpheus_tts_plugin.backends.trtllm import TrtllmBackend
-
-    fake_trtllm.__version__ = "1.4.0"
-    fake_trtllm.llmapi.llm_args.SamplerType = SamplerType14
-    with pytest.raises(ImportError, match="no TRTLLMSampler.*per-request seeds"):
-        TrtllmBackend(model)
-    backend = TrtllmBackend(model, llm_kwargs={"sampler_type": "TorchSampler"})  # the caller's own choice
-    assert backend.llm_args()["sampler_type"] == "TorchSampler"
-
-
-async def test_the_llm_uses_trtllm_sampler(fake_trtllm, model) -> None:
+async def test_on_1_2_the_llm_uses_trtllm_sampler(trt12, model) -> None:
     backend, llm = await started(model)
-    assert llm.kwargs["sampler_type"] == "TRTLLMSampler" and llm.sampler == "TRTLLMSampler"
+    assert llm.kwargs["sampler_type"] == "TRTLLMSampler" and llm.sampler.name == "TRTLLMSampler"
+    assert backend.stats()["sampler"] == "TRTLLMSampler" and backend.stats()["seeds"] == "per-request"
     await backend.close()
 
 
-async def test_seeded_requests_repeat_even_when_batched_together(fake_trtllm, model) -> None:
+async def test_on_1_3_no_sampler_type_is_sent_and_torch_sampler_runs(trt13, model) -> None:
     backend, llm = await started(model)
-    a, b, c = (backend.generate(request(rid, seed=s, temperature=1.0)) for rid, s in (("a", 7), ("b", 7), ("c", 8)))
-    ids = [await take(s, 12, llm) for s in (a, b, c)]
-    assert ids[0] == ids[1] != ids[2]  # TorchSampler's one shared generator would give a != b
-    for s in (a, b, c):
-        await s.aclose()
+    assert "sampler_type" not in llm.kwargs and llm.sampler.name == "TorchSampler"
+    assert backend.stats()["sampler"] == "TorchSampler" and backend.stats()["seeds"] == "best-effort"
+    await backend.close()
 
 
-async def test_the_repetition_penalty_takes_effect(fake_trtllm, model) -> None:
+async def test_on_1_3_asking_for_trtllm_sampler_is_rejected_by_tensorrt_llm(trt13, model) -> None:
+    from orpheus_tts_plugin.backends.trtllm import TrtllmBackend
+
+    backend = TrtllmBackend(model, llm_kwargs={"sampler_type": "TRTLLMSampler"})  # the caller's own choice
+    with pytest.raises(ValueError, match="TRTLLMSampler"):
+        await backend.start()
+
+
+async def test_a_1_3_candidate_that_still_has_trtllm_sampler_uses_torch_sampler_once_it_penalises(
+    monkeypatch, model
+) -> None:
+    install(monkeypatch, "1.3rc")  # TRTLLMSampler deprecated (#11938) but not yet removed (#18232)
     backend, llm = await started(model)
+    assert "sampler_type" not in llm.kwargs and llm.sampler.name == "TorchSampler"
+    assert backend.stats()["sampler"] == "TorchSampler"
+    await backend.close()
+
+
+def test_a_tensorrt_llm_whose_samplers_cannot_penalise_is_refused_unless_a_sampler_is_chosen(
+    trt13, model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from orpheus_tts_plugin.backends.trtllm import TrtllmBackend
+
+    monkeypatch.delitem(sys.modules, "tensorrt_llm._torch.pyexecutor.sampler.penalties")  # no penalties, no TRTLLM
+    with pytest.raises(ImportError, match="neither TRTLLMSampler nor a TorchSampler that applies repetition_penalty"):
+        TrtllmBackend(model)
+    backend = TrtllmBackend(model, llm_kwargs={"sampler_type": "TorchSampler"})
+    assert backend.llm_args()["sampler_type"] == "TorchSampler" and backend.stats()["seeds"] == "best-effort"
+
+
+# ---- penalties and seeds ----
+
+
+async def test_on_1_2_seeded_requests_repeat_even_when_batched_together(trt12, model) -> None:
+    a, b, c = await seeded_ids(model, [7, 7, 8])
+    assert a == b != c  # TorchSampler's one shared generator would give a != b
+
+
+async def test_on_1_3_a_seeded_stream_repeats_alone_but_not_beside_another_with_the_same_seed(trt13, model) -> None:
+    (alone,) = await seeded_ids(model, [7])
+    (again,) = await seeded_ids(model, [7])
+    first, second = await seeded_ids(model, [7, 7])
+    assert alone == again == first  # alone, or the first row of its sampling group: reproducible
+    assert second != first  # sampler/seed_manager.py: "only the first row's seed applies" (documented: best-effort)
+
+
+@pytest.mark.parametrize("line", ["1.2", "1.3"])
+async def test_the_repetition_penalty_takes_effect(line, monkeypatch, model) -> None:
+    install(monkeypatch, line)
+    backend, llm = await started(model, audio_constraint="union")
     stream = backend.generate(request(temperature=0.0))  # greedy, repetition_penalty 1.1
     ids = await take(stream, 6, llm)
     assert len(set(ids)) == 6  # unpenalised greedy would repeat the top id six times
     await stream.aclose()
 
 
-async def test_no_embedding_bias_row_is_copied_from_the_host_per_step(fake_trtllm, model) -> None:
+# ---- the audio constraint ----
+
+
+@pytest.mark.parametrize(
+    ("line", "batch", "expected"),
+    [
+        ("1.2", 256, "union"),  # TRTLLMSampler: the bias costs nothing per step; the processor ~26 ms at 256 rows
+        ("1.2", 16, "position"),  # 1.6 ms per step: within the budget
+        ("1.3", 256, "position"),  # TorchSampler: 256 bias rows per step cost more than 256 processor calls
+        ("1.3", 16, "position"),
+    ],
+)
+def test_the_constraint_follows_its_per_step_host_cost_at_the_configured_batch(
+    line, batch, expected, monkeypatch, model
+) -> None:
+    from orpheus_tts_plugin.backends.trtllm import TrtllmBackend
+
+    install(monkeypatch, line)
+    backend = TrtllmBackend(model, max_batch_size=batch)
+    assert backend.audio_constraint == expected and backend.stats()["audio_constraint"] == expected
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_with_the_position_processor_every_id_is_at_its_frame_position(trt, model, overlap) -> None:
+    llm_kwargs = {} if overlap else {"disable_overlap_scheduler": True}
+    backend, llm = await started(model, max_batch_size=8, llm_kwargs=llm_kwargs)
+    assert backend.audio_constraint == "position" and llm.overlap is overlap
+    streams = [backend.generate(request(f"r{i}", temperature=0.0)) for i in range(3)]
+    for _ in range(3 * TOKENS_PER_FRAME):
+        llm.iterate()
+    for s in streams:
+        ids = [
+            i
+            for step in [await asyncio.wait_for(s.__anext__(), 2.0) for _ in range(3 * TOKENS_PER_FRAME)]
+            for i in step
+        ]
+        assert positions(ids) == [k % TOKENS_PER_FRAME for k in range(len(ids))]
+        await s.aclose()
+
+
+async def test_with_the_union_bias_ids_land_at_wrong_positions(trt, model) -> None:
+    backend, llm = await started(model, audio_constraint="union")
+    stream = backend.generate(request(temperature=0.0))
+    ids = await take(stream, TOKENS_PER_FRAME, llm)
+    assert all(SPEC.first_audio_token <= i < SPEC.audio_token_end for i in ids)
+    assert positions(ids) != list(range(TOKENS_PER_FRAME))  # what the engine counts as invalid_wrong_position
+    await stream.aclose()
+
+
+def test_the_position_processor_counts_its_own_calls_through_a_history_one_step_late() -> None:
+    from orpheus_tts_plugin.backends.trtllm_logits import FORBIDDEN, AudioPositionProcessor
+
+    lp = AudioPositionProcessor(SPEC)
+    prompt = [1, 2, 3]
+    seen: list[int] = []
+    for k in range(9):
+        logits = torch.zeros((1, 1, SPEC.vocab_size))
+        history = [prompt + seen[: max(0, k - 1)]]  # the overlap scheduler's view lacks the previous step's token
+        lp(0, logits, history, None, None)
+        allowed = torch.nonzero(logits[0, 0] != FORBIDDEN).flatten().tolist()
+        assert allowed == sorted(SPEC.allowed_ids(k % TOKENS_PER_FRAME).tolist())
+        seen.append(allowed[0])
+
+
+def test_without_the_overlap_scheduler_the_processor_follows_the_history_through_skipped_and_extra_calls() -> None:
+    from orpheus_tts_plugin.backends.trtllm_logits import AudioPositionProcessor
+
+    lp = AudioPositionProcessor(SPEC, overlap=False)
+    prompt = [1, 2, 3]
+    assert [lp.index([prompt]), lp.index([prompt])] == [0, 0]  # a prompt in two chunks: both calls are index 0
+    assert lp.index([[*prompt, 9]]) == 1
+    assert lp.index([[*prompt, 9, 9, 9]]) == 3  # a step passed without a call (re-prefill after an eviction)
+
+
+def test_with_the_overlap_scheduler_a_count_run_ahead_by_a_chunked_prompt_is_back_on_track_next_step() -> None:
+    from orpheus_tts_plugin.backends.trtllm_logits import AudioPositionProcessor
+
+    lp = AudioPositionProcessor(SPEC)
+    prompt = [1, 2, 3]
+    # two context chunks, then generation steps whose history is one token behind
+    views = [prompt, prompt, prompt, [*prompt, 9], [*prompt, 9, 9]]
+    assert [lp.index([v]) for v in views] == [0, 1, 1, 2, 3]  # only the second chunk's (sampled) row is off
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_a_prompt_prefilled_in_two_chunks_keeps_the_ids_at_their_positions(trt, model, overlap) -> None:
+    llm_kwargs = {} if overlap else {"disable_overlap_scheduler": True}
+    backend, llm = await started(model, max_batch_size=8, llm_kwargs=llm_kwargs)
+    llm.context_chunks = 2
+    stream = backend.generate(request(temperature=0.0))
+    llm.iterate()  # the first chunk: its row goes through the processor, nothing is sampled
+    ids = await take(stream, 2 * TOKENS_PER_FRAME, llm)
+    expected = [k % TOKENS_PER_FRAME for k in range(len(ids))]
+    if overlap:  # the first id is constrained as if it were the second: that frame is lost, the rest are right
+        assert positions(ids)[1:] == expected[1:] and positions(ids)[0] != 0
+    else:
+        assert positions(ids) == expected
+    await stream.aclose()
+
+
+def test_a_request_s_processor_crosses_into_the_worker_small_and_with_its_own_count() -> None:
+    from orpheus_tts_plugin.backends.trtllm_logits import AudioPositionProcessor
+
+    spec = SPEC
+    _ = spec.audio_ids  # cached on the spec: must not ride along
+    lp = AudioPositionProcessor(spec)
+    blob = pickle.dumps(lp)
+    assert len(blob) < 2_000
+    copy = pickle.loads(blob)
+    copy.index([[1]])
+    assert (copy.calls, lp.calls) == (1, 0)
+
+
+async def test_on_1_2_no_embedding_bias_row_is_copied_from_the_host_per_step(trt12, model) -> None:
     backend, llm = await started(model)
+    assert backend.audio_constraint == "union"
     streams = [backend.generate(request(f"r{i}")) for i in range(8)]
     for _ in range(3):
         llm.iterate()
-    assert llm.host_bias_bytes_per_step == [0, 0, 0]  # TorchSampler: 8 rows of 628 kB every step
-    assert llm.bias_uploads == 8  # once per request, into its decoder slot
+    assert llm.host_bias_bytes_per_step == [0, 0, 0]  # TorchSampler would stack 8 rows of 628 kB every step
+    assert llm.sampler.bias_uploads == 8  # once per request, into its decoder slot
     for s in streams:
         await s.aclose()
+
+
+async def test_on_1_3_a_union_bias_is_one_host_row_per_request_per_step(trt13, model) -> None:
+    backend, llm = await started(model, audio_constraint="union")
+    streams = [backend.generate(request(f"r{i}")) for i in range(8)]
+    assert llm.results[0].sampling_params.embedding_bias is llm.results[1].sampling_params.embedding_bias
+    llm.iterate()
+    assert llm.host_bias_bytes_per_step == [8 * SPEC.vocab_size * 4]  # pickled into the worker: 8 distinct rows
+    for s in streams:
+        await s.aclose()
+
+
+async def test_the_embedding_bias_allows_exactly_audio_ids_and_end(trt, model) -> None:
+    from orpheus_tts_plugin.backends.trtllm import FORBIDDEN_BIAS
+
+    backend, llm = await started(model, audio_constraint="union")
+    s1, s2 = backend.generate(request("a")), backend.generate(request("b"))
+    bias = llm.results[0].sampling_params.embedding_bias
+    assert bias.dtype == torch.float32 and tuple(bias.shape) == (SPEC.vocab_size,)
+    allowed = torch.nonzero(bias == 0).flatten().tolist()
+    assert allowed == [SPEC.end_of_speech, *range(SPEC.first_audio_token, SPEC.audio_token_end)]
+    assert torch.all(bias[bias != 0] == FORBIDDEN_BIAS) and FORBIDDEN_BIAS <= -1e4
+    assert llm.results[1].sampling_params.embedding_bias is bias  # one shared tensor, not one per request
+    s3 = backend.generate(request("c", constrain=False))
+    assert llm.results[2].sampling_params.embedding_bias is None
+    for s in (s1, s2, s3):
+        await s.aclose()
+    await backend.close()
+
+
+@pytest.mark.parametrize("kind", ["union", "position"])
+async def test_with_the_constraint_off_neither_bias_nor_processor_is_sent(trt, model, kind) -> None:
+    backend, llm = await started(model, constrain_audio=False, audio_constraint=kind)
+    stream = backend.generate(request())
+    p = llm.results[0].sampling_params
+    assert p.embedding_bias is None and p.logits_processor is None and backend.stats()["audio_constraint"] == "none"
+    await stream.aclose()
+
+
+async def test_the_bias_length_follows_the_checkpoint_vocab(trt, tmp_path) -> None:
+    backend, llm = await started(checkpoint(tmp_path / "padded", vocab=157_056), audio_constraint="union")
+    stream = backend.generate(request())
+    bias = llm.results[0].sampling_params.embedding_bias
+    assert tuple(bias.shape) == (157_056,) and bias[156_999] < 0 and bias[SPEC.first_audio_token] == 0
+    await stream.aclose()
+
+
+def test_an_unknown_audio_constraint_is_refused_by_name(trt, model) -> None:
+    from orpheus_tts_plugin.backends.trtllm import TrtllmBackend
+
+    with pytest.raises(ValueError, match="audio_constraint"):
+        TrtllmBackend(model, audio_constraint="frames")
 
 
 # ---- LLM arguments ----
 
 
-async def test_llm_is_built_with_the_kv_cache_cuda_graphs_and_limits(fake_trtllm, model) -> None:
+async def test_llm_is_built_with_the_kv_cache_cuda_graphs_and_limits(trt, model) -> None:
     backend, llm = await started(
         model, max_batch_size=128, max_num_tokens=8192, max_seq_len=4096, kv_cache_fraction=0.85
     )
     assert llm.model == model
     kv = llm.kwargs["kv_cache_config"]
-    assert isinstance(kv, FakeKvCacheConfig) and kv.free_gpu_memory_fraction == 0.85
+    assert isinstance(kv, KvCacheConfig) and kv.free_gpu_memory_fraction == 0.85
     graphs = llm.kwargs["cuda_graph_config"]
-    assert isinstance(graphs, FakeCudaGraphConfig) and graphs.enable_padding and graphs.max_batch_size == 128
+    assert isinstance(graphs, CudaGraphConfig) and graphs.enable_padding and graphs.max_batch_size == 128
     assert (llm.kwargs["max_batch_size"], llm.kwargs["max_num_tokens"], llm.kwargs["max_seq_len"]) == (128, 8192, 4096)
     assert llm.kwargs["enable_chunked_prefill"] is True
     await backend.close()
@@ -437,12 +416,12 @@ async def test_llm_is_built_with_the_kv_cache_cuda_graphs_and_limits(fake_trtllm
         (None, "auto", "auto"),
     ],
 )
-async def test_the_kv_cache_dtype_follows_the_checkpoint(fake_trtllm, tmp_path, kv, given, expected) -> None:
+async def test_the_kv_cache_dtype_follows_the_checkpoint(trt, tmp_path, kv, given, expected) -> None:
     _, llm = await started(checkpoint(tmp_path / "m", kv=kv), kv_cache_dtype=given)
     assert llm.kwargs["kv_cache_config"].dtype == expected
 
 
-async def test_an_unreadable_checkpoint_gets_the_kv_cache_dtype_auto(fake_trtllm, monkeypatch, tmp_path) -> None:
+async def test_an_unreadable_checkpoint_gets_the_kv_cache_dtype_auto(trt, monkeypatch, tmp_path) -> None:
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
@@ -450,7 +429,7 @@ async def test_an_unreadable_checkpoint_gets_the_kv_cache_dtype_auto(fake_trtllm
     assert llm.kwargs["kv_cache_config"].dtype == "auto"
 
 
-async def test_explicit_cuda_graph_batch_sizes_and_extra_llm_kwargs_are_passed(fake_trtllm, model) -> None:
+async def test_explicit_cuda_graph_batch_sizes_and_extra_llm_kwargs_are_passed(trt, model) -> None:
     backend, llm = await started(
         model, cuda_graph_batch_sizes=[1, 8, 64], llm_kwargs={"disable_overlap_scheduler": True}
     )
@@ -462,7 +441,7 @@ async def test_explicit_cuda_graph_batch_sizes_and_extra_llm_kwargs_are_passed(f
 # ---- requests ----
 
 
-async def test_a_request_is_token_ids_with_end_id_and_sampling_but_no_redundant_stop_id(fake_trtllm, model) -> None:
+async def test_a_request_is_token_ids_with_end_id_and_sampling_but_no_redundant_stop_id(trt, model) -> None:
     backend, llm = await started(model)
     req = request(max_new=321)
     stream = backend.generate(req)
@@ -476,47 +455,14 @@ async def test_a_request_is_token_ids_with_end_id_and_sampling_but_no_redundant_
     await backend.close()
 
 
-async def test_extra_stop_ids_are_sent_without_the_end_id(fake_trtllm, model) -> None:
+async def test_extra_stop_ids_are_sent_without_the_end_id(trt, model) -> None:
     backend, llm = await started(model)
     stream = backend.generate(request(stop=(SPEC.end_of_speech, 4242)))
     assert llm.results[0].sampling_params.stop_token_ids == [4242]
     await stream.aclose()
 
 
-async def test_the_embedding_bias_allows_exactly_audio_ids_and_end(fake_trtllm, model) -> None:
-    from orpheus_tts_plugin.backends.trtllm import FORBIDDEN_BIAS
-
-    backend, llm = await started(model)
-    s1, s2 = backend.generate(request("a")), backend.generate(request("b"))
-    bias = llm.results[0].sampling_params.embedding_bias
-    assert bias.dtype == torch.float32 and tuple(bias.shape) == (SPEC.vocab_size,)
-    allowed = torch.nonzero(bias == 0).flatten().tolist()
-    assert allowed == [SPEC.end_of_speech, *range(SPEC.first_audio_token, SPEC.audio_token_end)]
-    assert torch.all(bias[bias != 0] == FORBIDDEN_BIAS) and FORBIDDEN_BIAS <= -1e4
-    assert llm.results[1].sampling_params.embedding_bias is bias  # one shared tensor, not one per request
-    s3 = backend.generate(request("c", constrain=False))
-    assert llm.results[2].sampling_params.embedding_bias is None
-    for s in (s1, s2, s3):
-        await s.aclose()
-    await backend.close()
-
-
-async def test_with_the_constraint_off_no_bias_is_sent(fake_trtllm, model) -> None:
-    backend, llm = await started(model, constrain_audio=False)
-    stream = backend.generate(request())
-    assert llm.results[0].sampling_params.embedding_bias is None
-    await stream.aclose()
-
-
-async def test_the_bias_length_follows_the_checkpoint_vocab(fake_trtllm, tmp_path) -> None:
-    backend, llm = await started(checkpoint(tmp_path / "padded", vocab=157_056))  # a padded vocabulary
-    stream = backend.generate(request())
-    bias = llm.results[0].sampling_params.embedding_bias
-    assert tuple(bias.shape) == (157_056,) and bias[156_999] < 0 and bias[SPEC.first_audio_token] == 0
-    await stream.aclose()
-
-
-async def test_token_ids_diff_streams_and_the_end_id_is_dropped(fake_trtllm, model) -> None:
+async def test_token_ids_diff_streams_and_the_end_id_is_dropped(trt, model) -> None:
     backend, llm = await started(model)
     stream = backend.generate(request())
     result = llm.results[0]
@@ -533,7 +479,16 @@ async def test_token_ids_diff_streams_and_the_end_id_is_dropped(fake_trtllm, mod
     assert stats["live_requests"] == 0 and stats["tokens"] == 4 and stats["requests"] == 1
 
 
-async def test_a_length_finish_is_reported_as_length(fake_trtllm, model) -> None:
+async def test_the_executor_s_own_length_finish_ends_the_stream_as_length(trt, model) -> None:
+    backend, llm = await started(model, max_batch_size=8)
+    stream = backend.generate(request(constrain=False, max_new=3))
+    await take(stream, 3, llm)
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(stream.__anext__(), 2.0)
+    assert stream.finish_reason == FinishReason.LENGTH
+
+
+async def test_a_length_finish_is_reported_as_length(trt, model) -> None:
     backend, llm = await started(model)
     stream = backend.generate(request(max_new=3))
     llm.results[0].step(AUDIO[:3], "length")
@@ -541,10 +496,33 @@ async def test_a_length_finish_is_reported_as_length(fake_trtllm, model) -> None
     assert stream.finish_reason == FinishReason.LENGTH
 
 
+async def test_a_timeout_finish_fails_the_stream_with_a_typed_timeout_error(trt, model) -> None:
+    from orpheus_tts_plugin.backends.trtllm import TrtllmTimeoutError
+
+    backend, llm = await started(model)
+    stream = backend.generate(request())
+    llm.results[0].step(AUDIO[:2])
+    llm.results[0].step(AUDIO[2:3], "timeout")  # executor/result.py: tllm.FinishReason.TIMED_OUT → 'timeout'
+    assert await asyncio.wait_for(stream.__anext__(), 2.0) == AUDIO[:2]
+    assert await asyncio.wait_for(stream.__anext__(), 2.0) == AUDIO[2:3]
+    with pytest.raises(TrtllmTimeoutError, match="timed out request r1"):
+        await asyncio.wait_for(stream.__anext__(), 2.0)
+    assert isinstance(TrtllmTimeoutError("x"), BackendError)
+    assert stream.finish_reason == FinishReason.ERROR and backend.stats()["errors"] == 1
+
+
+async def test_an_unknown_finish_reason_fails_the_stream_naming_it(trt, model) -> None:
+    backend, llm = await started(model)
+    stream = backend.generate(request())
+    llm.results[0].step([], "not_finished")
+    with pytest.raises(BackendError, match="'not_finished'"):
+        await asyncio.wait_for(stream.__anext__(), 2.0)
+
+
 # ---- aborts ----
 
 
-async def test_closing_an_active_stream_aborts_the_request(fake_trtllm, model) -> None:
+async def test_closing_an_active_stream_aborts_the_request(trt, model) -> None:
     backend, llm = await started(model)
     stream = backend.generate(request())
     assert len(await take(stream, 2, llm)) == 2
@@ -560,7 +538,7 @@ async def test_closing_an_active_stream_aborts_the_request(fake_trtllm, model) -
     assert backend.stats()["aborted"] == 1 and backend.stats()["live_requests"] == 0
 
 
-async def test_closing_a_queued_stream_ends_its_waiting_consumer(fake_trtllm, model) -> None:
+async def test_closing_a_queued_stream_ends_its_waiting_consumer(trt, model) -> None:
     backend, llm = await started(model, max_batch_size=1)
     first = backend.generate(request("first"))
     queued = backend.generate(request("queued"))
@@ -576,7 +554,7 @@ async def test_closing_a_queued_stream_ends_its_waiting_consumer(fake_trtllm, mo
     await first.aclose()
 
 
-async def test_a_cancelled_consumer_then_close_aborts(fake_trtllm, model) -> None:
+async def test_a_cancelled_consumer_then_close_aborts(trt, model) -> None:
     backend, llm = await started(model)
     stream = backend.generate(request())
     task = asyncio.create_task(_collect(stream))
@@ -588,7 +566,7 @@ async def test_a_cancelled_consumer_then_close_aborts(fake_trtllm, model) -> Non
     assert llm.results[0].aborts == 1
 
 
-async def test_an_engine_error_becomes_a_backend_error(fake_trtllm, model) -> None:
+async def test_an_engine_error_becomes_a_backend_error(trt, model) -> None:
     backend, llm = await started(model)
     stream = backend.generate(request())
     llm.results[0].fail(RuntimeError("executor died"))
@@ -597,7 +575,7 @@ async def test_an_engine_error_becomes_a_backend_error(fake_trtllm, model) -> No
     assert stream.finish_reason == FinishReason.ERROR and backend.stats()["errors"] == 1
 
 
-async def test_generate_needs_a_started_backend_and_its_loop(fake_trtllm, model) -> None:
+async def test_generate_needs_a_started_backend_and_its_loop(trt12, model) -> None:
     from orpheus_tts_plugin.backends.trtllm import TrtllmBackend
 
     backend = TrtllmBackend(model)
@@ -613,3 +591,32 @@ async def test_generate_needs_a_started_backend_and_its_loop(fake_trtllm, model)
 
     with pytest.raises(BackendError, match="loop"):
         await asyncio.to_thread(other_loop)
+
+
+# ---- quantize --format trtllm ----
+
+
+def test_quantize_to_the_trtllm_format_refuses_on_1_3_in_one_line(trt13, tmp_path) -> None:
+    from orpheus_tts_plugin.tools.quantize import quantize
+
+    with pytest.raises(ValueError) as info:
+        quantize("unused", tmp_path, fmt="trtllm")
+    message = str(info.value)
+    assert "\n" not in message and "1.3.0rc26" in message and "--format hf" in message
+
+
+@pytest.mark.parametrize("installed", ["1.2", None])
+def test_quantize_to_the_trtllm_format_goes_on_with_1_2_or_no_tensorrt_llm(installed, monkeypatch, tmp_path) -> None:
+    from orpheus_tts_plugin.tools import quantize as q
+
+    if installed:
+        install(monkeypatch, installed)
+    else:
+        monkeypatch.setitem(sys.modules, "tensorrt_llm", None)
+
+    def stop() -> None:
+        raise ImportError("past the format check")
+
+    monkeypatch.setattr(q, "import_modelopt", stop)
+    with pytest.raises(ImportError, match="past the format check"):
+        q.quantize("unused", tmp_path, fmt="trtllm")

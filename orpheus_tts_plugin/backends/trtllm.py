@@ -1,20 +1,23 @@
 """TensorRT-LLM backend (LLM API, PyTorch backend): FP8 weights and FP8 KV cache on Hopper, the production path.
 
 TensorRT-LLM never ran in this project (no GPU, no NVIDIA index): everything here is written against the upstream
-1.2 sources and checked only against a stand-in (tests/test_backend_trtllm.py). What that means: docs/backends.md.
+sources of two lines and checked only against stand-ins of them (tests/trtllm_standin/). What that means:
+docs/backends.md.
 
-Sampler: the PyTorch backend's default (`sampler_type="auto"` → TorchSampler in 1.2) applies neither
-`repetition_penalty` nor a per-request seed, and adds every request's embedding-bias row to a pinned host tensor
-copied to the GPU each step. This backend asks for TRTLLMSampler (the C++ decoder): penalties and per-request seeds
-in its kernels, the bias copied once per request into its per-slot device buffer. Releases without TRTLLMSampler
-are refused (see `import_trtllm`).
+Sampler, by what the installed TensorRT-LLM can do (trtllm_lines.py): on 1.2 TorchSampler applies neither
+`repetition_penalty` nor per-request seeds, so this backend asks for TRTLLMSampler (the C++ decoder: penalties and
+seeds in its kernels, the bias copied once per request into its slot). From 1.3 TorchSampler applies the penalties
+and TRTLLMSampler is gone, so TorchSampler it is, with seeds that upstream says work only for a request sampled
+alone. A release with neither is refused (see `import_trtllm`).
+
+Audio constraint: the per-frame-position logits processor (trtllm_logits.py) where its per-step host cost at the
+configured batch is small or no larger than the union mask's, else the union of all audio ids as one embedding bias.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -22,66 +25,84 @@ from typing import Any
 from ..spec import ENGLISH, ModelSpec
 from .base import BackendError, FinishReason, GenerationRequest, PumpedStream, RequestCounts, check_loop
 from .checkpoint import checkpoint_json, checkpoint_quantization
+from .trtllm_lines import TORCH_SAMPLER, TRTLLM_SAMPLER, TrtllmLine, detect, version_tuple
+from .trtllm_logits import FORBIDDEN, AudioPositionProcessor
 
 log = logging.getLogger(__name__)
 
 MIN_TRTLLM = (1, 2)
 INSTALL_HINT = (
-    "the trtllm backend needs TensorRT-LLM >= 1.2 (PyTorch backend) with its TRTLLMSampler, which needs CUDA at "
-    "import and Python 3.10 or 3.12. Its wheel is served from NVIDIA's index, not PyPI: "
+    "the trtllm backend needs TensorRT-LLM >= 1.2 (PyTorch backend), which needs CUDA at import and Python 3.10 or "
+    "3.12. Its wheel is served from NVIDIA's index, not PyPI: "
     "`pip install 'tensorrt-llm>=1.2' --extra-index-url https://pypi.nvidia.com`; or run inside the release "
     "container nvcr.io/nvidia/tensorrt-llm/release:1.2.1 (see docker/ in this repository)."
 )
-# The sampler that applies repetition_penalty and per-request seeds (tensorrt_llm/llmapi/llm_args.py SamplerType).
-SAMPLER = "TRTLLMSampler"
 NO_SAMPLER = (
-    "TensorRT-LLM {version} has no TRTLLMSampler (its docs: deprecated in 1.3.0rc24, removed by 1.3.0rc26), and "
-    "its TorchSampler does not yet apply per-request seeds when requests share a batch "
-    "(_torch/pyexecutor/sampler/seed_manager.py): seeded Orpheus streams would not repeat. Use TensorRT-LLM 1.2 "
-    "or a 1.3 release candidate that still has TRTLLMSampler, or pass llm_kwargs={{'sampler_type': ...}}."
+    "TensorRT-LLM {version} has neither TRTLLMSampler nor a TorchSampler that applies repetition_penalty, which "
+    "Orpheus needs (>= 1.1) for stable speech. Use TensorRT-LLM 1.2 or >= 1.3.0rc26, or pass "
+    "llm_kwargs={{'sampler_type': ...}}."
 )
-# Added to the logits of every id that is not audio or end of speech: exp(-1e4) is exactly 0 in fp32,
-# and unlike -inf it cannot turn into NaN inside penalty or top-p kernels, and it fits fp16.
-FORBIDDEN_BIAS = -1.0e4
-# TensorRT-LLM's CompletionOutput.finish_reason → ours.
+FORBIDDEN_BIAS = FORBIDDEN  # added to every id that is not audio or end of speech (see trtllm_logits.py)
+# TensorRT-LLM's CompletionOutput.finish_reason → ours; 'timeout' (tllm.FinishReason.TIMED_OUT) fails the stream.
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "cancelled": FinishReason.ABORTED}
+CONSTRAINTS = ("auto", "position", "union")
+# Host milliseconds per engine step, measured on the stand-in (tests/trtllm_standin/cost.py, docs/backends.md):
+# the position processor ~0.05 per row with upstream's dispatch, plus ~0.04 for the history copy upstream makes
+# through its bindings for every processor call; TorchSampler's bias rows stacked on the host, 0.6-0.7 per MB at
+# 64-256 rows, plus the copy to the GPU (~0.04 per MB at 25 GB/s). Under TRTLLMSampler a bias costs 0 per step.
+POSITION_MS_PER_ROW = 0.1
+TORCH_BIAS_MS_PER_MB = 0.65
+CONSTRAINT_BUDGET_MS = 2.0  # host time per step the position processor may take whatever the union would cost
 
 
-def _version(text: str) -> tuple[int, ...]:
-    """(major, minor) of a version string such as "1.2.1" or "1.3.0rc24"."""
-    m = re.match(r"(\d+)\.(\d+)", text)
-    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+class TrtllmTimeoutError(BackendError):
+    """TensorRT-LLM ended a request with finish_reason 'timeout' (its FinishReason.TIMED_OUT)."""
 
 
 def import_trtllm(need_sampler: bool = True) -> SimpleNamespace:
-    """The TensorRT-LLM classes this backend uses; ImportError in one line if missing, too old or samplerless."""
+    """The TensorRT-LLM classes this backend uses and its line; ImportError in one line if missing or unusable."""
     try:
         import tensorrt_llm
         from tensorrt_llm import LLM, SamplingParams
         from tensorrt_llm.llmapi import KvCacheConfig
     except (ImportError, OSError, RuntimeError) as exc:  # OSError/RuntimeError: installed, but no CUDA
         raise ImportError(f"{INSTALL_HINT} (import failed: {exc})") from exc
-    version = getattr(tensorrt_llm, "__version__", "0")
-    if _version(version) < MIN_TRTLLM:
-        raise ImportError(f"{INSTALL_HINT}; found TensorRT-LLM {version}")
-    if need_sampler and not _has_trtllm_sampler():
-        raise ImportError(NO_SAMPLER.format(version=version))
+    line = detect(tensorrt_llm, SamplingParams)
+    if version_tuple(line.version)[:2] < MIN_TRTLLM:
+        raise ImportError(f"{INSTALL_HINT}; found TensorRT-LLM {line.version}")
+    if need_sampler and line.sampler is None:
+        raise ImportError(NO_SAMPLER.format(version=line.version))
     try:
         from tensorrt_llm.llmapi import CudaGraphConfig
     except ImportError:  # renamed after 1.2
         from tensorrt_llm.llmapi import DecodeCudaGraphConfig as CudaGraphConfig
     return SimpleNamespace(
-        LLM=LLM, SamplingParams=SamplingParams, KvCacheConfig=KvCacheConfig, CudaGraphConfig=CudaGraphConfig
+        LLM=LLM, SamplingParams=SamplingParams, KvCacheConfig=KvCacheConfig, CudaGraphConfig=CudaGraphConfig, line=line
     )
 
 
-def _has_trtllm_sampler() -> bool:
-    """True if `LLM(sampler_type="TRTLLMSampler")` is accepted by the installed TensorRT-LLM."""
-    try:
-        from tensorrt_llm.llmapi.llm_args import SamplerType
-    except ImportError:
-        return False
-    return SAMPLER in getattr(SamplerType, "__members__", {})
+def constraint_cost_ms(kind: str, rows: int, vocab_size: int, sampler: str) -> float:
+    """Estimated host milliseconds per engine step of an audio constraint at `rows` live requests."""
+    if kind == "position":
+        return rows * POSITION_MS_PER_ROW
+    if kind == "union" and sampler != TRTLLM_SAMPLER:
+        return rows * vocab_size * 4 / 1e6 * TORCH_BIAS_MS_PER_MB
+    return 0.0
+
+
+def choose_constraint(requested: str, rows: int, vocab_size: int, sampler: str, line: TrtllmLine) -> str:
+    """What `requested` ("auto", "position" or "union") resolves to at `rows` rows under `sampler`."""
+    if requested not in CONSTRAINTS:
+        raise ValueError(f"audio_constraint must be one of {CONSTRAINTS}, got {requested!r}")
+    if requested == "position" and not line.logits_processor:
+        raise ValueError(f"audio_constraint='position': TensorRT-LLM {line.version} has no logits_processor")
+    if requested != "auto":
+        return requested
+    if not line.logits_processor:
+        return "union"
+    position = constraint_cost_ms("position", rows, vocab_size, sampler)
+    union = constraint_cost_ms("union", rows, vocab_size, sampler)
+    return "position" if position <= CONSTRAINT_BUDGET_MS or position <= union else "union"
 
 
 def audio_bias(spec: ModelSpec, vocab_size: int) -> Any:
@@ -121,6 +142,7 @@ class TrtllmBackend:
         cuda_graph_batch_sizes: Sequence[int] | None = None,
         enable_chunked_prefill: bool = True,
         constrain_audio: bool = True,
+        audio_constraint: str = "auto",
         vocab_size: int | None = None,
         skip_tokenizer_init: bool = True,
         llm_kwargs: dict[str, Any] | None = None,
@@ -131,6 +153,15 @@ class TrtllmBackend:
             raise ValueError("max_batch_size, max_num_tokens and max_seq_len must be >= 1")
         if not 0.0 < kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
+        self.line: TrtllmLine = self._t.line
+        chosen = self.llm_kwargs.get("sampler_type", self.line.sampler)
+        self.sampler = TORCH_SAMPLER if chosen in (None, "auto") else str(chosen)
+        vocab = vocab_size or spec.vocab_size
+        self.audio_constraint = (
+            choose_constraint(audio_constraint, max_batch_size, vocab, self.sampler, self.line)
+            if constrain_audio
+            else "none"
+        )
         self.model = model
         self.spec = spec
         self.max_batch_size = max_batch_size
@@ -159,8 +190,13 @@ class TrtllmBackend:
         # "auto" takes the checkpoint's kv_cache_quant_algo with its calibrated scales; "fp8" would override them.
         return "auto" if quant.kv_cache else "fp8"
 
+    def constraint_ms_per_step(self) -> float:
+        """Estimated host milliseconds per engine step that the audio constraint costs at `max_batch_size` rows."""
+        vocab = self.vocab_size or self.spec.vocab_size
+        return constraint_cost_ms(self.audio_constraint, self.max_batch_size, vocab, self.sampler)
+
     def llm_args(self) -> dict[str, Any]:
-        """Keyword arguments of `tensorrt_llm.LLM` (PyTorch backend, TRTLLMSampler, KV cache dtype, CUDA graphs)."""
+        """Keyword arguments of `tensorrt_llm.LLM` (PyTorch backend, the line's sampler, KV cache, CUDA graphs)."""
         t = self._t
         if self.cuda_graph_batch_sizes:
             graphs = t.CudaGraphConfig(batch_sizes=self.cuda_graph_batch_sizes, enable_padding=True)
@@ -177,8 +213,9 @@ class TrtllmBackend:
             "cuda_graph_config": graphs,
             "enable_chunked_prefill": self.enable_chunked_prefill,
             "skip_tokenizer_init": self.skip_tokenizer_init,
-            "sampler_type": SAMPLER,
         }
+        if self.sampler == TRTLLM_SAMPLER:
+            args["sampler_type"] = TRTLLM_SAMPLER  # >= 1.3 rejects the name; "auto" (the default) is TorchSampler
         args.update(self.llm_kwargs)
         return args
 
@@ -187,6 +224,12 @@ class TrtllmBackend:
         s = req.sampling
         # end_id already ends the request in the decoder; listing it as a stop id again only adds stop checks.
         stop = [i for i in self.spec.stop_ids(req.stop_ids) if i != self.spec.end_of_speech]
+        constraint: dict[str, Any] = {}
+        if req.constrain_audio and self.audio_constraint == "union":
+            constraint["embedding_bias"] = self._bias
+        elif req.constrain_audio and self.audio_constraint == "position":
+            overlap = not self.llm_kwargs.get("disable_overlap_scheduler", False)
+            constraint["logits_processor"] = AudioPositionProcessor(self.spec, overlap=overlap)  # one per request
         return self._t.SamplingParams(
             max_tokens=req.max_new_tokens,
             end_id=self.spec.end_of_speech,
@@ -197,17 +240,29 @@ class TrtllmBackend:
             repetition_penalty=s.repetition_penalty,
             seed=s.seed,
             detokenize=False,
-            embedding_bias=self._bias if (req.constrain_audio and self.constrain_audio) else None,
+            **constraint,
         )
 
     async def start(self) -> None:
         if self._llm is not None:
             return
         self._loop = asyncio.get_running_loop()
-        if self.constrain_audio:
+        if self.audio_constraint == "union":
             vocab = self.vocab_size or read_vocab_size(self.model) or self.spec.vocab_size
-            self._bias = audio_bias(self.spec, vocab)  # one tensor shared by every constrained request
+            self._bias = audio_bias(self.spec, vocab)  # one tensor for every constrained request
         self._llm = await asyncio.to_thread(self._t.LLM, **self.llm_args())
+        cost = self.constraint_ms_per_step()
+        level = logging.WARNING if cost > CONSTRAINT_BUDGET_MS else logging.INFO
+        log.log(
+            level,
+            "trtllm: TensorRT-LLM %s, %s, seeds %s, audio constraint %s (~%.1f ms of host time per step at %d rows)",
+            self.line.version,
+            self.sampler,
+            self.line.seeds(self.sampler),
+            self.audio_constraint,
+            cost,
+            self.max_batch_size,
+        )
 
     def generate(self, req: GenerationRequest) -> TrtllmStream:
         check_loop(self._loop if self._llm is not None else None, self.name)
@@ -221,7 +276,12 @@ class TrtllmBackend:
         return TrtllmStream(req, result, self.spec.stop_ids(req.stop_ids), self._requests)
 
     def stats(self) -> dict[str, Any]:
-        return self._requests.stats(self.name)
+        return self._requests.stats(
+            self.name,
+            sampler=self.sampler,
+            seeds=self.line.seeds(self.sampler),
+            audio_constraint=self.audio_constraint,
+        )
 
     async def close(self) -> None:
         llm, self._llm = self._llm, None
@@ -245,6 +305,18 @@ class TrtllmStream(PumpedStream):
 
     def _new_ids(self, completion: Any) -> list[int]:
         return completion.token_ids_diff
+
+    def _push(self, ids: list[int], finish: str | None, error: BaseException | None = None) -> None:
+        """A final output whose finish reason is not ours fails the stream with a typed error that names it."""
+        if finish == FinishReason.ERROR and error is None:
+            reason = self.result.outputs[0].finish_reason if self.result.finished else None
+            if reason == "timeout":
+                error = TrtllmTimeoutError(f"TensorRT-LLM timed out request {self.req.request_id}")
+            elif reason is None:
+                error = BackendError(f"trtllm request {self.req.request_id} ended without a final output")
+            else:
+                error = BackendError(f"trtllm request {self.req.request_id} ended with finish_reason {reason!r}")
+        super()._push(ids, finish, error)
 
     async def _abort(self) -> None:
         """Dropping the iterator alone does not abort in TensorRT-LLM."""

@@ -4,7 +4,8 @@ Every Linear layer but lm_head gets FP8 (E4M3) weights and activations with per-
 gets FP8 scales, calibrated ("max") on ~32 varied Orpheus prompts, each followed by audio tokens that the model
 itself generates: serving time is spent on audio positions, so their activation and K/V ranges must be seen.
 Output: a Hugging Face checkpoint with `hf_quant_config.json` (loaded by the TensorRT-LLM PyTorch backend and
-by vLLM) or, with fmt="trtllm", a TensorRT-LLM checkpoint for the legacy engine-build flow.
+by vLLM) or, with fmt="trtllm", a TensorRT-LLM checkpoint for the legacy engine-build flow (TensorRT-LLM <= 1.3.0rc20;
+refused where a later TensorRT-LLM is installed).
 What has and has not run of it: docs/backends.md.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ..backends.trtllm_lines import engine_build_missing
 from ..prompt import prompt_ids
 from ..spec import ModelSpec, spec_for
 
@@ -164,6 +166,9 @@ def quantize(
     """Quantise `model` (hub id or directory) to FP8 with ModelOpt and write the checkpoint and tokenizer to `out`."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    refusal = engine_build_missing() if fmt == "trtllm" else None
+    if refusal:
+        raise ValueError(refusal)
     mo = import_modelopt()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -2,7 +2,8 @@
 
 `orpheus-tts --help` imports no torch. Errors a person is likely to meet first (weights not
 cached, a wrong path, a missing optional dependency, a bad value) print one line with the
-remedy; `--verbose` shows the traceback.
+remedy; `--verbose` (before or after the subcommand) shows the traceback. Ctrl-C is one line and
+exit status 130.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import importlib
 import logging
 import sys
 import traceback
+from collections.abc import Iterator
 
 from .errors import EngineError
+from .interrupt import interrupted
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -142,6 +145,15 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
     ld.set_defaults(**_handler("tools.load:main"))
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """Every subcommand's parser under `parser`, at any depth (`bench engine` too)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # an alias names the same parser
+                yield sub
+                yield from _subparsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole `orpheus-tts` command line (no subcommand module that needs torch is imported)."""
     p = argparse.ArgumentParser(prog="orpheus-tts", description=__doc__.split("\n")[0])
@@ -149,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_say, _add_decode, _add_weights, _add_bench, _add_server):
         add(sub)
+    for parser in _subparsers(p):  # after the subcommand too; SUPPRESS keeps a --verbose given before it
+        parser.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks"
+        )
     return p
 
 
@@ -158,7 +174,8 @@ def _run(target: str, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` and run the subcommand; a user-facing error is one line on stderr and exit status 2."""
+    """Parse `argv` and run the subcommand; a user-facing error is one line on stderr and exit status 2, Ctrl-C
+    one line and status 130."""
     args = build_parser().parse_args(argv)
     if args.verbose:
         logging.basicConfig(level=logging.INFO)
@@ -176,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if args.verbose else " (--verbose shows the traceback)"
         print(f"orpheus-tts {args.command}: error: {exc}{hint}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        return interrupted(args.command, str(exc))
 
 
 if __name__ == "__main__":

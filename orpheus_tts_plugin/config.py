@@ -178,11 +178,3 @@ class EngineConfig:
     def batch_size(self) -> int:
         """Rows per backend step."""
         return self.max_batch_size or self.max_streams
-
-    def resolved_device(self) -> str:
-        """The device to run on: `device`, or CUDA if available when it is "auto"."""
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"

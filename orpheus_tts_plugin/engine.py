@@ -519,7 +519,7 @@ class OrpheusEngine:
         try:
             loop.run_until_complete(self._boot())
         except BaseException as exc:  # noqa: BLE001 - handed to every start() caller
-            log.error("Orpheus engine failed to start: %s", exc)
+            log.debug("Orpheus engine failed to start: %s", exc)  # every start() caller gets the error itself
             if isinstance(exc, Exception) and not isinstance(exc, EngineError):
                 error = ModelLoadError(f"the engine failed to load: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
@@ -540,20 +540,21 @@ class OrpheusEngine:
     async def _boot(self) -> None:
         from .backends import make_backend, make_tokenizer
         from .decoder import make_decoder
-        from .weights import load_error, require_weights
+        from .device import resolve_device
+        from .weights import SNAC, TOKENIZER, load_error, require_weights
 
         cfg = self.config
-        device = cfg.resolved_device()
+        device = resolve_device(cfg.device)
         source = cfg.tokenizer or cfg.model
         try:
             if cfg.backend != "remote" or cfg.tokenizer:
-                await asyncio.to_thread(require_weights, "the tokenizer", source)
+                await asyncio.to_thread(require_weights, "the tokenizer", source, TOKENIZER)
             self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
         except (OSError, ValueError) as exc:
             raise load_error("the tokenizer", source, exc) from exc
         try:
             if self._custom_decoder is None and cfg.decoder == "snac":
-                await asyncio.to_thread(require_weights, "SNAC", cfg.snac)
+                await asyncio.to_thread(require_weights, "SNAC", cfg.snac, SNAC)
             decoder = self._custom_decoder or await asyncio.to_thread(make_decoder, cfg, device)
         except (OSError, ValueError) as exc:
             raise load_error("SNAC", cfg.snac, exc) from exc

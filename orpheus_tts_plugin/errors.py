@@ -23,6 +23,11 @@ class ModelLoadError(EngineError):
     """Weights, tokenizer or SNAC could not be loaded; the message says what is missing and how to get it."""
 
 
+class DeviceUnavailableError(ModelLoadError):
+    """The device asked for is not one this torch can run on (CUDA on a CPU build, a missing GPU); the message
+    says which to use."""
+
+
 def missing_extra(extra: str, what: str, exc: ImportError) -> ImportError:
     """One-line ImportError for an optional dependency that is not installed, saying how to install it."""
     return ImportError(f"{what} needs the {extra!r} extra: pip install 'orpheus-tts-plugin[{extra}]' ({exc})")

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from .codes import frames_to_levels
 from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME
+from .weights import SNAC as SNAC_FOLDER
+from .weights import load_error, require_weights
 
 LATENT_PER_FRAME = 4  # SNAC latent steps (hop 512) per 2,048-sample frame
 FADE_SAMPLES = 240  # 10 ms fade at each end of an utterance
@@ -23,10 +25,15 @@ SNAC24_LATENCY = 4757
 def load_snac(
     path_or_repo: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, noise_seed: int = 0
 ) -> nn.Module:
-    """Load a SNAC 24 kHz model (hub id or local dir) with position-seeded noise, in eval mode."""
+    """Load a SNAC 24 kHz model (hub id or local dir) with position-seeded noise, in eval mode; ModelLoadError in
+    one line, before anything loads, for a folder that holds no SNAC or a hub id neither cached nor reachable."""
     from snac import SNAC
 
-    model = SNAC.from_pretrained(path_or_repo)
+    require_weights("SNAC", path_or_repo, SNAC_FOLDER)
+    try:
+        model = SNAC.from_pretrained(path_or_repo)
+    except OSError as exc:  # what the hub client raises; its message is a paragraph
+        raise load_error("SNAC", path_or_repo, exc) from exc
     if model.sampling_rate != SAMPLE_RATE or model.hop_length * LATENT_PER_FRAME != SAMPLES_PER_FRAME:
         raise ValueError(
             f"{path_or_repo}: Orpheus needs the 24 kHz SNAC (hop 512), got "

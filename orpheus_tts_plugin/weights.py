@@ -1,10 +1,13 @@
-"""Fetching the Orpheus and SNAC weights that an engine config names into the Hugging Face cache."""
+"""The Orpheus and SNAC weights that an engine config names: checked before anything loads, and fetched into
+the Hugging Face cache."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+from dataclasses import dataclass
 
 from .config import EngineConfig
 from .errors import ModelLoadError
@@ -14,16 +17,57 @@ logger = logging.getLogger(__name__)
 HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.tiktoken"]
 
 
-def hub_repos(config: EngineConfig) -> list[str]:
-    """Hub repos that an engine of `config` loads: LLM weights, tokenizer, SNAC (local dirs and URLs left out)."""
-    repos = []
-    if config.backend not in ("synthetic", "remote"):
-        repos.append(config.model)
-    if config.backend != "synthetic" or config.tokenizer:
-        repos.append(config.tokenizer or config.model)
+@dataclass(frozen=True)
+class Checkpoint:
+    """A kind of checkpoint folder, known by its files: any one of `files`, and `config_key` in its config.json."""
+
+    name: str
+    files: tuple[str, ...]
+    config_key: str | None = None
+
+    @property
+    def a_name(self) -> str:
+        """The name with its article: "a tokenizer", "an Orpheus (Llama) checkpoint"."""
+        return f"{'an' if self.name[0] in 'AEIOU' else 'a'} {self.name}"
+
+    def held_by(self, folder: str) -> bool:
+        """Whether `folder` holds a checkpoint of this kind."""
+        if not any(os.path.exists(os.path.join(folder, f)) for f in self.files):
+            return False
+        return self.config_key is None or self.config_key in _config(folder)
+
+
+LLM = Checkpoint("Orpheus (Llama) checkpoint", ("config.json",), "model_type")
+SNAC = Checkpoint("SNAC checkpoint", ("config.json",), "vq_strides")
+TOKENIZER = Checkpoint("tokenizer", ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+KINDS = (LLM, SNAC, TOKENIZER)  # in the order a folder is described: a Llama folder holds a tokenizer too
+
+
+def _config(folder: str) -> dict[str, object]:
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def weight_sources(config: EngineConfig) -> list[tuple[str, str, Checkpoint | None]]:
+    """(what, where from, kind of folder) of each thing an engine of `config` loads: tokenizer, SNAC, LLM weights."""
+    sources: list[tuple[str, str, Checkpoint | None]] = []
+    if config.tokenizer or config.model:
+        sources.append(("the tokenizer", config.tokenizer or config.model, TOKENIZER))
     if config.decoder == "snac":
-        repos.append(config.snac)
-    return [r for r in dict.fromkeys(repos) if r and not os.path.isdir(r) and not r.startswith(("http://", "https://"))]
+        sources.append(("SNAC", config.snac, SNAC))
+    if config.backend not in ("synthetic", "remote") and config.model:
+        sources.append((f"the {config.backend} model", config.model, None))
+    return sources
+
+
+def hub_repos(config: EngineConfig) -> list[str]:
+    """Hub repos that an engine of `config` loads: tokenizer, SNAC, LLM weights (local dirs and URLs left out)."""
+    repos = dict.fromkeys(source for _, source, _ in weight_sources(config))
+    return [r for r in repos if r and not os.path.isdir(r) and not r.startswith(("http://", "https://"))]
 
 
 def _looks_like_path(source: str) -> bool:
@@ -46,10 +90,20 @@ def load_error(what: str, source: str | None, exc: BaseException) -> ModelLoadEr
     return ModelLoadError(f"cannot load {what} {source!r}: {type(exc).__name__}: {first}")
 
 
-def require_weights(what: str, source: str | None) -> None:
-    """ModelLoadError at once if `source` is a hub id neither cached nor reachable (not after minutes of retries)."""
-    if not source or os.path.isdir(source) or source.startswith(("http://", "https://")) or _looks_like_path(source):
+def require_weights(what: str, source: str | None, kind: Checkpoint | None = None) -> None:
+    """ModelLoadError at once, in one line with the fix, if `source` is a folder that is missing or holds no `kind`,
+    or a hub id neither cached nor reachable (not after minutes of retries)."""
+    if not source or source.startswith(("http://", "https://")):
         return
+    folder = os.path.expanduser(source)
+    if os.path.isdir(folder):
+        if kind is not None and not kind.held_by(folder):
+            raise ModelLoadError(f"cannot load {what} {source!r}: {_wrong_folder(folder, kind)}")
+        return
+    if _looks_like_path(source):
+        if os.path.exists(folder):
+            raise ModelLoadError(f"cannot load {what} {source!r}: it is a file; pass the folder that holds it")
+        raise load_error(what, source, FileNotFoundError(source))
     from huggingface_hub import constants, try_to_load_from_cache
 
     if any(isinstance(try_to_load_from_cache(source, f), str) for f in ("config.json", "tokenizer_config.json")):
@@ -57,6 +111,28 @@ def require_weights(what: str, source: str | None) -> None:
     if not constants.HF_HUB_OFFLINE and _hub_reachable(constants.ENDPOINT):
         return
     raise load_error(what, source, OSError("offline: not in the cache and the hub cannot be reached"))
+
+
+def _wrong_folder(folder: str, kind: Checkpoint) -> str:
+    """Why `folder` is not a `kind` checkpoint, and which folder to pass instead where one is near (inside it or
+    beside it, as `make-test-model` writes DIR/orpheus and DIR/snac)."""
+    parent = os.path.dirname(os.path.abspath(folder))
+    for where, near in (("inside it", folder), ("beside it", parent)):
+        found = _first_holding(near, kind)
+        if found is not None:
+            return f"it holds no {kind.name}, but {found!r} {where} does: pass that folder"
+    other = next((k for k in KINDS if k is not kind and k.held_by(folder)), None)
+    holds = f"it holds {other.a_name}, not {kind.a_name}" if other else f"no {' or '.join(kind.files)} in it"
+    return f"{holds}; pass the folder with {kind.a_name}"
+
+
+def _first_holding(near: str, kind: Checkpoint) -> str | None:
+    """The first folder directly in `near` (by name) that holds `kind`, if any."""
+    try:
+        entries = sorted(os.scandir(near), key=lambda e: e.name)
+    except OSError:
+        return None
+    return next((e.path for e in entries if e.is_dir() and kind.held_by(e.path)), None)
 
 
 def _hub_reachable(endpoint: str, timeout_s: float = 3.0) -> bool:

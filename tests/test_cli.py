@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.model_dirs import model_with
+from tests.servers import free_port
 
 
 def orpheus_tts(*args: str) -> str:
@@ -160,6 +165,99 @@ def test_verbose_shows_the_traceback(tmp_path: Path, test_model_dir: Path) -> No
         "--verbose", "say", "Hi", "--model", "/no/such/model", "--snac", str(test_model_dir / "snac"), "--out", "x"
     )
     assert "Traceback" in err and "no such directory" in err
+
+
+def _one_line(*args: str, env: dict[str, str] | None = None) -> str:
+    """The one line `orpheus-tts ARGS` fails with (status 2), within 15 s (5 s promised, slack for a loaded host)."""
+    began = time.monotonic()
+    err = _fails(*args, env=env)
+    took = time.monotonic() - began
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and took < 15, f"{took:.1f} s:\n{err}"
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("say", "Hi", "--model", "/no/such/model", "--out", "x.wav", "--verbose"),
+        ("bench", "decoder", "--snac", "/no/such/model", "--verbose"),
+    ],
+    ids=["say", "bench decoder"],
+)
+def test_verbose_after_the_subcommand_shows_the_traceback_too(args: tuple[str, ...]) -> None:
+    err = _fails(*args)
+    assert "Traceback" in err and "no such directory '/no/such/model'" in err
+
+
+def test_serve_on_a_busy_port_says_so_in_one_line_before_loading(test_model_dir: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        model, snac = str(test_model_dir / "orpheus"), str(test_model_dir / "snac")
+        line = _one_line("serve", "--model", model, "--snac", snac, "--device", "cpu", "--port", str(port))
+    assert line.startswith(f"orpheus-tts serve: error: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert "pick another --port" in line
+
+
+@pytest.mark.parametrize("snac", [None, "nosuch/snac"], ids=["without --snac", "an unknown hub id"])
+def test_decode_with_a_snac_not_here_offline_is_one_line_naming_the_download_command(
+    tmp_path: Path, offline: dict[str, str], snac: str | None
+) -> None:
+    np.save(tmp_path / "t.npy", np.array([128258]))
+    flags = ("--snac", snac) if snac else ()
+    line = _one_line("decode", str(tmp_path / "t.npy"), *flags, "--out", str(tmp_path / "o.wav"), env=offline)
+    assert f"cannot load SNAC '{snac or 'hubertsiuzdak/snac_24khz'}'" in line
+    assert "orpheus-tts download" in line and "pass a local directory" in line
+
+
+def test_model_pointed_at_the_make_test_model_folder_names_its_orpheus_folder(test_model_dir: Path) -> None:
+    snac = str(test_model_dir / "snac")
+    line = _one_line("say", "Hi", "--model", str(test_model_dir), "--snac", snac, "--out", "x.wav")
+    assert f"cannot load the tokenizer '{test_model_dir}'" in line
+    assert f"'{test_model_dir / 'orpheus'}' inside it does: pass that folder" in line
+
+
+def test_snac_pointed_at_the_llm_folder_names_the_snac_folder_beside_it(test_model_dir: Path) -> None:
+    model = str(test_model_dir / "orpheus")
+    line = _one_line("say", "Hi", "--model", model, "--snac", model, "--out", "x.wav")
+    assert f"cannot load SNAC '{model}': it holds no SNAC checkpoint" in line
+    assert f"'{test_model_dir / 'snac'}' beside it does: pass that folder" in line
+
+
+def test_snac_pointed_at_a_lone_llm_folder_says_what_it_holds(tmp_path: Path, test_model_dir: Path) -> None:
+    lone = tmp_path / "orpheus"
+    lone.symlink_to(test_model_dir / "orpheus")
+    line = _one_line("say", "Hi", "--model", str(lone), "--snac", str(lone), "--out", "x.wav")
+    assert "it holds an Orpheus (Llama) checkpoint, not a SNAC checkpoint; pass the folder with a SNAC" in line
+
+
+def test_device_cuda_on_a_cpu_only_torch_is_one_line_naming_cpu(test_model_dir: Path) -> None:
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("this torch is built with CUDA")
+    model, snac = str(test_model_dir / "orpheus"), str(test_model_dir / "snac")
+    line = _one_line("say", "Hi", "--model", model, "--snac", snac, "--device", "cuda", "--out", "x.wav")
+    assert "device 'cuda': this torch" in line and "built without CUDA; use --device cpu" in line
+
+
+def test_a_wrong_voice_is_one_line_before_the_model_loads(test_model_dir: Path) -> None:
+    model, snac = str(test_model_dir / "orpheus"), str(test_model_dir / "snac")
+    line = _one_line("say", "Hi", "--model", model, "--snac", snac, "--voice", "bob", "--out", "x.wav")
+    assert "unknown voice 'bob'" in line and "valid voices: tara, leah" in line
+
+
+def test_a_failed_serve_load_is_reported_once(tmp_path: Path, test_model_dir: Path) -> None:
+    broken = model_with(test_model_dir / "orpheus", tmp_path / "m", "tokenizer.json", lambda p: p.write_text("{"))
+    args = ["serve", "--model", str(broken), "--snac", str(test_model_dir / "snac"), "--device", "cpu"]
+    err = _fails(*args, "--port", str(free_port()))
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and sum("the engine failed to start" in line for line in lines) == 1, err
+    assert lines[-1].startswith(
+        f"orpheus-tts serve: error: the engine failed to start: cannot load the tokenizer '{broken}'"
+    )
 
 
 @pytest.mark.parametrize(("module", "extra"), [("pipecat", "pipecat"), ("livekit", "livekit")])

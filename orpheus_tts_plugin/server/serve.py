@@ -1,6 +1,8 @@
-"""`orpheus-tts serve`: one engine in one process behind uvicorn; SIGTERM drains before the process exits.
+"""`orpheus-tts serve`: one engine in one process behind uvicorn; SIGTERM drains before the process exits,
+Ctrl-C (SIGINT) stops it now with status 130.
 
-Imports neither FastAPI nor uvicorn at module level, so that `orpheus-tts --help` stays light.
+It binds its port and checks its flags before anything loads, so that a port in use or a wrong path is one line
+at once. Imports neither FastAPI nor uvicorn at module level, so that `orpheus-tts --help` stays light.
 """
 
 from __future__ import annotations
@@ -8,9 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -22,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 from ..affinity import cpu_list, pin_process
 from ..config import BACKENDS, DECODERS, EngineConfig, SyntheticConfig
 from ..errors import missing_extra
+from ..interrupt import end_interrupted
+from ..preflight import check_before_load
 from .policy import KEYS_ENV, Policy, load_keys
 
 if TYPE_CHECKING:
@@ -157,6 +164,43 @@ def _loopback(host: str) -> bool:
         return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
+class ListenError(ValueError):
+    """`serve` cannot listen where it was told (a port in use, a host not of this machine); the message says what
+    to change."""
+
+
+def listening_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
+    """A socket listening on host:port (or on the Unix socket `uds`), as uvicorn would bind it; ListenError in one
+    line if it cannot be."""
+    if uds is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):  # a socket file left behind is replaced, as asyncio does
+            if stat.S_ISSOCK(os.stat(uds).st_mode):
+                os.remove(uds)
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(uds if uds is not None else (host, port))
+        sock.listen()
+        if uds is not None:
+            os.chmod(uds, 0o666)
+    except OSError as exc:
+        sock.close()
+        where = f"--uds {uds}" if uds is not None else f"{host}:{port}"
+        raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}; {_listen_fix(exc, uds)}") from None
+    return sock
+
+
+def _listen_fix(exc: OSError, uds: str | None) -> str:
+    flag = "--uds" if uds is not None else "--port"
+    if exc.errno == errno.EADDRINUSE:
+        return f"another process listens there: stop it, or pick another {flag}"
+    if exc.errno == errno.EACCES:
+        return f"this user may not listen there (ports below 1024 need privileges): pick another {flag}"
+    return "check --host" if uds is None else "check the --uds path"
+
+
 def _uvicorn() -> Any:
     try:
         import uvicorn
@@ -213,7 +257,8 @@ def header_timeout_protocol(timeout_s: float) -> type[asyncio.Protocol]:
 
 
 def draining_server(config: uvicorn.Config, service: Service, drain_timeout_s: float) -> uvicorn.Server:
-    """A uvicorn.Server whose first SIGTERM/SIGINT drains (`Service.drain`) before exiting; a second exits at once."""
+    """A uvicorn.Server whose first SIGTERM drains (`Service.drain`) before exiting, a second exits at once; SIGINT
+    (Ctrl-C) stops it without a drain, or ends the process at once while the model loads."""
     uvicorn = _uvicorn()
 
     class DrainingServer(uvicorn.Server):
@@ -236,10 +281,14 @@ def draining_server(config: uvicorn.Config, service: Service, drain_timeout_s: f
                 watch.cancel()
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            """Signal handler (main thread): the first signal drains, a second one exits now."""
-            if self._draining:
+            """Signal handler (main thread): the first SIGTERM drains, a second one exits now; SIGINT stops now."""
+            if sig == signal.SIGINT:
+                if service.engine.health()["status"] != "ok":  # a load cannot be stopped, and a close waits for it
+                    end_interrupted("serve")
+                super().handle_exit(sig, frame)  # uvicorn raises SIGINT again once it has stopped: exit status 130
+            elif self._draining:
                 super().handle_exit(sig, frame)
-                self.force_exit = self.force_exit or sig == signal.SIGTERM
+                self.force_exit = True
             else:
                 self.begin_drain()
 
@@ -262,8 +311,7 @@ def draining_server(config: uvicorn.Config, service: Service, drain_timeout_s: f
             try:
                 await service.engine.start()
             except Exception as exc:  # noqa: BLE001 - any load failure ends the server
-                log.error("the engine failed to start: %s", exc)
-                print(f"orpheus-tts serve: error: the engine failed to start: {exc}", file=sys.stderr)
+                print(f"orpheus-tts serve: error: the engine failed to start: {exc}", file=sys.stderr, flush=True)
                 self.exit_code = 2
                 self.should_exit = True
 
@@ -271,15 +319,18 @@ def draining_server(config: uvicorn.Config, service: Service, drain_timeout_s: f
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    """Run `orpheus-tts serve` until SIGTERM/SIGINT, then drain and exit."""
+    """Run `orpheus-tts serve` until SIGTERM (drain, then exit) or SIGINT (exit now, status 130)."""
     rules = policy(args)
     if args.cpus is not None:  # before torch loads, so that its thread pool is sized for these CPUs
         pin_process(args.cpus)
+    sock = listening_socket(args.host, args.port, args.uds)
+    wanted = engine_config(args)
+    check_before_load(wanted)
     from ..engine import OrpheusEngine
     from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = OrpheusEngine(engine_config(args))
+    engine = OrpheusEngine(wanted)
     app = create_app(engine, policy=rules)
     config = uvicorn_config(
         app,
@@ -292,7 +343,7 @@ def serve_main(args: argparse.Namespace) -> int:
         log_level=args.log_level,
     )
     server = draining_server(config, app.state.service, args.drain_timeout)
-    where = args.uds or f"{args.host}:{args.port}"
+    where = args.uds or f"{args.host}:{sock.getsockname()[1]}"  # --port 0: the port it was given
     pinned = f" on CPUs {','.join(map(str, sorted(args.cpus)))}" if args.cpus is not None else ""
     print(f"orpheus-tts serve: listening on {where}{pinned}", file=sys.stderr, flush=True)
     if args.uds is None and not rules.api_keys and not _loopback(args.host):
@@ -302,7 +353,7 @@ def serve_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    server.run()
+    server.run(sockets=[sock])
     return server.exit_code
 
 

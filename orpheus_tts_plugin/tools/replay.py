@@ -50,13 +50,15 @@ def replay_offline(snac: nn.Module, ids: np.ndarray, spec: ModelSpec) -> np.ndar
 
 def decode_main(args: argparse.Namespace) -> int:
     """`orpheus-tts decode`: replay saved ids through the streaming decoder (or offline) to a WAV file."""
+    from ..device import resolve_device
     from ..snac import load_snac
     from ..spec import SAMPLES_PER_FRAME, spec_for
     from .wav import write_wav
 
     spec = spec_for(args.model_family)
     ids = np.load(args.tokens)
-    snac = load_snac(args.snac, args.device if args.device != "auto" else "cpu", noise_seed=args.noise_seed)
+    device = resolve_device(args.device if args.device != "auto" else "cpu")
+    snac = load_snac(args.snac, device, noise_seed=args.noise_seed)
     if args.offline:
         audio = replay_offline(snac, ids, spec)
     else:

@@ -247,10 +247,11 @@ async def _tick(bar: Any, engine: OrpheusEngine) -> None:
 
 def reference_decoder(config: EngineConfig) -> FrameDecoder:
     """The reference 4-frame-window scheme on the config's SNAC, for `--decode-scheme reference`."""
+    from ...device import resolve_device
     from ...snac import load_snac
     from .reference import ReferenceDecoder
 
-    return ReferenceDecoder(load_snac(config.snac, config.resolved_device(), noise_seed=config.noise_seed))
+    return ReferenceDecoder(load_snac(config.snac, resolve_device(config.device), noise_seed=config.noise_seed))
 
 
 async def _warm(engine: OrpheusEngine) -> None:

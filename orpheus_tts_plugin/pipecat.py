@@ -12,6 +12,9 @@ Contracts with Pipecat 1.14's `TTSService` (services/tts_service.py), each kept 
   never splits an utterance (`_next_audio_context_item`).
 - A context whose request failed with a reported error is not counted as a silent one
   (`_record_context_audio_outcome`): overload is transient, never a dead service.
+- Overload: while the engine has no room for a new stream the service is not usable (`is_usable`, the one
+  thing `ServiceSwitcherStrategyFailover` reads), reported before an utterance is refused where the load shows
+  it (`_check_capacity`), and usable again on its own once the engine has room (`on_usable_changed`).
 - Word timestamps (`push_text_frames=False`, `add_word_timestamps`): each word is one `TTSTextFrame` with
   a `pts`, estimated by `words.WordTimer` and placed on the context's playout timeline (`_Playout`), so
   the output transport releases it as its audio plays and an interruption leaves the assistant message
@@ -56,8 +59,9 @@ except ImportError as exc:  # one line saying what to install, not a traceback f
 # First match wins. Permanent = the service is written off (`is_usable` False; a ServiceSwitcher with
 # ServiceSwitcherStrategyFailover moves to the next service). None = permanent only if the engine
 # itself reports that it failed or was closed (a backend thread that died, a start that raised).
+# An overload is never permanent, but leaves the service unusable until the engine has room (`_overloaded`).
 _FAILURES: tuple[tuple[tuple[type[Exception], ...], str, ErrorCategory, bool | None], ...] = (
-    ((EngineOverloadedError,), "Orpheus engine overloaded, retry shortly", ErrorCategory.RATE_LIMIT, False),
+    ((EngineOverloadedError,), "Orpheus engine overloaded", ErrorCategory.RATE_LIMIT, False),
     ((EngineFailedError,), "Orpheus engine failed", ErrorCategory.SERVER, True),
     ((ModelLoadError,), "Orpheus engine failed to load", ErrorCategory.SERVER, True),
     ((EngineClosedError,), "Orpheus engine closed", ErrorCategory.SERVER, True),
@@ -122,7 +126,12 @@ class OrpheusTTSService(TTSService):
     process-wide `OrpheusEngine.shared(config)`. The service never closes the engine. `word_weights`:
     how word times are estimated (docs/word-timestamps.md).
 
-    Event handlers: `on_engine_ready(service)`, once the engine has loaded after this service started.
+    `unusable_while_overloaded` (default True): while the engine has no room for a new stream the service
+    reports itself unusable, so that a ServiceSwitcher fails over, and usable again once the engine has room,
+    checked every `capacity_poll_s`; False: an overload is only a transient error, as for any provider.
+
+    Event handlers: `on_engine_ready(service)`, once the engine has loaded after this service started;
+    Pipecat's `on_usable_changed(service, is_usable)`, also when an overload begins and ends.
     """
 
     Settings = OrpheusTTSSettings
@@ -135,10 +144,14 @@ class OrpheusTTSService(TTSService):
         engine_config: EngineConfig | None = None,
         settings: OrpheusTTSSettings | None = None,
         word_weights: Weights = DEFAULT_WEIGHTS,
+        unusable_while_overloaded: bool = True,
+        capacity_poll_s: float = 0.1,
         **kwargs: Any,
     ):
         if engine is not None and engine_config is not None:
             raise ValueError("pass either engine or engine_config, not both")
+        if not capacity_poll_s > 0:
+            raise ValueError(f"capacity_poll_s must be > 0, got {capacity_poll_s!r}")
         self._engine = engine or OrpheusEngine.shared(engine_config)
         store = self.Settings(
             model=self._engine.config.model,
@@ -153,7 +166,11 @@ class OrpheusTTSService(TTSService):
         self._streams: dict[str, AsyncGenerator[AudioChunk, None]] = {}
         self._playouts: dict[str, _Playout] = {}  # per audio context: where its words play
         self._pace = Pace(word_weights)  # this call's speaking rate, learnt sentence by sentence
-        self._failed_contexts: set[str] = set()  # contexts whose request failed with a reported error
+        # Contexts given to the engine (run_tts ran for them) -> whether one of their requests failed, reported.
+        self._asked_contexts: dict[str, bool] = {}
+        self._unusable_while_overloaded = unusable_while_overloaded
+        self._capacity_poll_s = capacity_poll_s
+        self._overloaded = False  # unusable because the engine is full: usable again once it has room
         self._background: list[asyncio.Task[None]] = []
         # Cleared explicitly per utterance, never by a timer: a slow engine tick must not reset it mid-utterance.
         self._pcm_resampler = create_stream_resampler(clear_after_secs=None)
@@ -200,6 +217,8 @@ class OrpheusTTSService(TTSService):
             await self._report_failure(exc)
             return
         self._background = [self.create_task(self._watch_engine_start(), name="engine_start")]
+        if self._unusable_while_overloaded:
+            self._background.append(self.create_task(self._watch_capacity(), name="engine_capacity"))
 
     async def stop(self, frame: EndFrame) -> None:
         """Finish speaking what is queued (the base drains the audio contexts), then stop the helpers."""
@@ -229,6 +248,28 @@ class OrpheusTTSService(TTSService):
             await self._report_failure(exc)
             return
         await self._call_event_handler("on_engine_ready")
+
+    async def _watch_capacity(self) -> None:
+        """Check the engine's room every `capacity_poll_s` while the service runs (a property read: no I/O)."""
+        while True:
+            await self._check_capacity()
+            await asyncio.sleep(self._capacity_poll_s)
+
+    async def _check_capacity(self) -> None:
+        """Usable again once an overloaded engine has room; unusable as soon as a serving engine has none.
+
+        `engine.load` is the share of `max_streams` in use, so a full engine is reported before it refuses an
+        utterance, and a ServiceSwitcher moves the next one to the backup. A service speaking now is left
+        alone: its next sentence takes the slot its current one frees. A request queued past
+        `queue_timeout_s` behind a full batch does not show in the load: that overload is only seen when a
+        request fails, and the service is usable again at the next check.
+        """
+        full = self._engine.load >= 1
+        if self._overloaded and not full:
+            self._overloaded = False
+            await self.set_usable(True)  # Pipecat's on_usable_changed(service, True): the app may switch back
+        elif full and not self._overloaded and self.is_usable and not self._streams and self._engine.ready:
+            await self._report_failure(EngineOverloadedError("engine at capacity: no room for a new stream"))
 
     async def _next_audio_context_item(self, context_id: str) -> Any:
         """The base's wait for a context's next item, renewed while that context's request still runs.
@@ -291,6 +332,7 @@ class OrpheusTTSService(TTSService):
         closed with the turn (see `_is_yielding_frames_synchronously`).
         """
         settings = self._settings
+        self._asked_contexts.setdefault(context_id, False)
         try:
             stream = self._engine.synthesize(text, voice=settings.voice, sampling=self._sampling(settings))
         except (ValueError, TypeError) as exc:
@@ -337,17 +379,31 @@ class OrpheusTTSService(TTSService):
         return what, category, permanent
 
     async def _report_failure(self, exc: Exception, context_id: str | None = None) -> None:
-        """Push one ErrorFrame for `exc` (permanent or transient, by `_FAILURES`); its context is not a silent one."""
+        """Push one ErrorFrame for `exc` (by `_FAILURES`); its context is not a silent one.
+
+        A permanent failure writes the service off; an overload makes it unusable until the engine has room
+        (`_check_capacity` brings it back). Either way `is_usable` is False before the frame travels, which is
+        when a ServiceSwitcher's failover strategy reads it.
+        """
         what, category, permanent = self._classify(exc)
+        overloaded = self._unusable_while_overloaded and isinstance(exc, EngineOverloadedError)
+        if overloaded:
+            self._overloaded = True
+        elif permanent:
+            self._overloaded = False  # written off: room in the engine does not bring it back
         if context_id is not None:
-            self._failed_contexts.add(context_id)
+            self._asked_contexts[context_id] = True
         await self.cancel_ttfb_metrics()
         await self.push_error(
-            f"{self}: {what}: {exc}", exception=exc, category=category, force_treat_as_permanent=permanent
+            f"{self}: {what}: {exc}",
+            exception=exc,
+            category=category,
+            force_treat_as_permanent=permanent or overloaded,
         )
 
     async def _record_context_audio_outcome(self, context_id: str, received_audio: bool) -> None:
-        """Count a context with no audio towards the base's write-off rule only if no error was reported for it.
+        """Count a context with no audio towards the base's write-off rule only if the engine was asked to speak
+        it and no error was reported for it.
 
         The rule (`max_consecutive_zero_audio_contexts`, 3 by default: after that many completed contexts
         in a row with no audio the base pushes a permanent error and the service is no longer given work)
@@ -357,19 +413,20 @@ class OrpheusTTSService(TTSService):
         would turn three transient overloads into a written-off service that a ServiceSwitcher never
         switches back to. What resets the count is the base's: a context with audio, `set_usable(True)`,
         and a settings update that changes something (AIService._update_settings calls set_usable(True)).
-        Contexts silent without an error (an engine that stopped producing audio) are still counted, so
-        the rule keeps catching a wedged engine.
+        Nor is a context the base never gave to run_tts: it skips the text of a service that is not usable,
+        and the service may be usable again (the engine has room) by the time that context completes. Contexts
+        the engine was asked to speak and that stayed silent without an error (an engine that stopped producing
+        audio) are still counted, so the rule keeps catching a wedged engine.
         """
-        if context_id in self._failed_contexts:
-            self._failed_contexts.discard(context_id)
-            if not received_audio:
-                return
+        failed = self._asked_contexts.pop(context_id, True)  # never asked: no evidence either way
+        if failed and not received_audio:
+            return
         await super()._record_context_audio_outcome(context_id, received_audio)
 
     # ---------------------------------------------------------------- interruption
     async def on_audio_context_interrupted(self, context_id: str) -> None:
         """Barge-in: abort the engine request still generating this context's audio."""
-        self._failed_contexts.discard(context_id)
+        self._asked_contexts.pop(context_id, None)
         self._playouts.pop(context_id, None)
         await self._close_stream(context_id)
 
@@ -386,5 +443,5 @@ class OrpheusTTSService(TTSService):
     async def _close_all_streams(self) -> None:
         for context_id in list(self._streams):
             await self._close_stream(context_id)
-        self._failed_contexts.clear()
+        self._asked_contexts.clear()
         self._playouts.clear()

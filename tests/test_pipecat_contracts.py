@@ -52,6 +52,7 @@ from test_pipecat_service import (
 
 from orpheus_tts_plugin import EngineConfig, EngineError, OrpheusEngine
 from orpheus_tts_plugin.pipecat import OrpheusTTSService
+from tests.stubs import GatedBackend
 
 LONG_WAIT = 60.0  # generous: the machine is shared and slow
 STOP_TIMEOUT = 0.5  # a short stop_frame_timeout_s, so that "later than the timeout" is quick to reach
@@ -184,27 +185,6 @@ class BackupTTS(TTSService):
         yield TTSAudioRawFrame(b"\x00\x00" * 480, self.sample_rate, 1, context_id=context_id)
 
 
-class OverflowToBackup(ServiceSwitcherStrategyFailover):
-    """An application's policy: also move to the next service while the active one is at capacity.
-
-    The stock failover strategy switches only away from a service that is written off (`is_usable`
-    False); which errors are worth a switch is the strategy's to decide (pipecat's
-    ServiceSwitcherStrategy.handle_error), so an application may overflow to a backup on RATE_LIMIT.
-    """
-
-    async def handle_error(self, error: ErrorFrame) -> FrameProcessor | None:
-        if error.category is ErrorCategory.RATE_LIMIT and error.processor is self.active_service:
-            backup = self.services[(self.services.index(self.active_service) + 1) % len(self.services)]
-            return await self._set_active_if_available(backup)
-        return await super().handle_error(error)
-
-
-async def switch_to(p: Running, switcher: ServiceSwitcher, service: FrameProcessor) -> None:
-    """Ask the switcher to make `service` active, as an application does, and wait until it is."""
-    await p.send(ManuallySwitchServiceFrame(service=service))
-    await wait_until(lambda: switcher.strategy.active_service is service, timeout=LONG_WAIT / 3)
-
-
 async def speak_and_wait(p: Running, texts: list[str]) -> None:
     """Speak each text and wait until its context has stopped (on whichever service is active)."""
     for text in texts:
@@ -334,27 +314,29 @@ async def failing_engine(
         yield engine, fail
 
 
-# failure → (the ErrorFrame's category, whether the service stays usable)
+# failure → the ErrorFrame's category. Each leaves the service unusable as it is reported: written off, or (an
+# overload) until the engine has room.
 FAILURES = {
-    "at max_streams": (ErrorCategory.RATE_LIMIT, True),
-    "queued past queue_timeout_s": (ErrorCategory.RATE_LIMIT, True),
-    "engine closed": (ErrorCategory.SERVER, False),
-    "backend thread died": (ErrorCategory.SERVER, False),
+    "at max_streams": ErrorCategory.RATE_LIMIT,
+    "queued past queue_timeout_s": ErrorCategory.RATE_LIMIT,
+    "engine closed": ErrorCategory.SERVER,
+    "backend thread died": ErrorCategory.SERVER,
 }
 
 
 @pytest.mark.parametrize("failure", list(FAILURES))
 async def test_a_failed_request_is_one_error_and_its_context_stops_right_after_it(config: EngineConfig, failure):
-    category, usable = FAILURES[failure]
     async with failing_engine(config, failure) as (engine, fail):
         service = OrpheusTTSService(engine=engine, stop_frame_timeout_s=LONG_WAIT)
+        usable_at_error: list[bool] = []
+        service.add_event_handler("on_error", lambda s, _error: usable_at_error.append(s.is_usable))
         async with running_pipeline(service) as p:
             await fail()
             await p.send(TTSSpeakFrame(TEXT))
             error = await p.up.wait_for(lambda f: isinstance(f, ErrorFrame), timeout=LONG_WAIT)
             stopped = await p.down.wait_for(lambda f: isinstance(f, TTSStoppedFrame), timeout=LONG_WAIT / 2)
             assert 0 <= p.down.arrival(stopped) - p.up.arrival(error) < 10, "closed at once, not at the timeout"
-    assert error.processor is service and error.category is category and service.is_usable is usable
+    assert error.processor is service and error.category is FAILURES[failure] and usable_at_error == [False]
     assert_shape(p.down.received(), r"ASTE")  # no audio, the sentence's text inside the group
     assert len(groups(p.down.received())) == 1
     assert len(p.up.of_type(ErrorFrame)) == 1  # nothing added for a context with no audio
@@ -375,27 +357,90 @@ async def test_contexts_ending_with_no_audio_and_no_error_still_write_the_servic
 
 
 @pytest.mark.parametrize("kind", list(OVERLOADS))
-async def test_five_overloads_in_a_row_leave_the_service_usable_and_it_speaks_once_the_engine_has_room(
+async def test_overloads_never_write_the_service_off_it_is_usable_again_once_the_engine_has_room_and_speaks(
     config: EngineConfig, kind: str
 ):
     async with full_engine(config, kind) as (engine, make_room):
         service = OrpheusTTSService(engine=engine)
         async with running_pipeline(service) as p:
-            await speak_and_wait(p, [f"Attempt number {i}." for i in range(5)])
-            assert service.is_usable
+            await speak_and_wait(p, [f"Attempt number {i}." for i in range(5)])  # refused, or skipped while unusable
             await make_room()
+            await wait_until(lambda: service.is_usable, timeout=LONG_WAIT)
             await speak_and_wait(p, [TEXT])
     found = p.up.of_type(ErrorFrame)
-    assert len(found) == 5 and all(e.category is ErrorCategory.RATE_LIMIT for e in found)  # no "no audio" ones
+    assert 1 <= len(found) <= 5 and all(e.category is ErrorCategory.RATE_LIMIT for e in found)  # no "no audio" ones
     assert service.is_usable
     last = groups(p.down.received())[-1][0].context_id
     assert spoken_contexts(p.down.received()) == [last]
 
 
 # ------------------------------------------------------------------ ServiceSwitcher
-async def test_overloads_never_fail_over_and_the_primary_speaks_again_once_the_engine_has_room(config):
-    async with full_engine(config) as (engine, make_room):
+@asynccontextmanager
+async def gated_engine(config: EngineConfig) -> AsyncIterator[OrpheusEngine]:
+    """A one-stream engine on which a request mentioning "hold" stalls after its first chunk until `backend.gate`."""
+    backend = GatedBackend(config.synthetic, after=HOLD)
+    engine = OrpheusEngine(replace(config, max_streams=1), backend=backend)
+    engine.backend_control = backend
+    try:
+        yield engine
+    finally:
+        backend.gate.set()
+        await engine.aclose()
+
+
+async def test_a_full_engine_fails_over_so_the_backup_speaks_every_utterance_and_the_primary_comes_back_with_room(
+    config: EngineConfig,
+):
+    async with gated_engine(config) as engine:
         primary, backup = OrpheusTTSService(engine=engine), BackupTTS()
+        switcher = ServiceSwitcher([primary, backup], strategy_type=ServiceSwitcherStrategyFailover)
+        changes: list[bool] = []
+        async with running_pipeline(switcher) as p:
+
+            @primary.event_handler("on_usable_changed")
+            async def switch_back(service: FrameProcessor, usable: bool) -> None:  # what an application does
+                changes.append(usable)
+                if usable:
+                    await p.send(ManuallySwitchServiceFrame(service=service))
+
+            await speak_and_wait(p, ["Hello there."])  # the primary, while the engine has room
+            holder = engine.synthesize("Please hold. " + LONG_TEXT)  # another call takes the only stream
+            first_chunk = asyncio.ensure_future(anext(holder))
+            await wait_until(lambda: engine.load >= 1, timeout=LONG_WAIT)
+            failover_s = await wait_until(lambda: switcher.strategy.active_service is backup, timeout=LONG_WAIT)
+            attempts = [f"Attempt number {i}." for i in range(5)]
+            await speak_and_wait(p, attempts)
+            await asyncio.wait_for(first_chunk, LONG_WAIT)
+            engine.backend_control.gate.set()
+            await holder.aclose()  # the other call hangs up
+            recovery_s = await wait_until(lambda: switcher.strategy.active_service is primary, timeout=LONG_WAIT)
+            await speak_and_wait(p, [TEXT])
+    print(f"failover {failover_s * 1000:.0f} ms after the engine filled, back {recovery_s * 1000:.0f} ms after room")
+    assert backup.spoken == attempts  # every utterance while the engine was full, none lost
+    assert changes == [False, True] and primary.is_usable
+    assert not p.up.of_type(ErrorFrame)  # the failover absorbed the overload
+    primary_audio = [pcm for pcm in audio_by_context(p.down.received()).values() if len(pcm) > 960]
+    assert len(primary_audio) == 2  # the first and the last utterance
+    assert failover_s < 5 and recovery_s < 5
+
+
+async def test_an_utterance_refused_where_the_load_does_not_show_it_fails_over_at_once(config: EngineConfig):
+    async with full_engine(config, "queued past queue_timeout_s") as (engine, make_room):
+        assert engine.load < 1  # the backend's batch is full, not the engine's streams
+        primary, backup = OrpheusTTSService(engine=engine), BackupTTS()
+        switcher = ServiceSwitcher([primary, backup], strategy_type=ServiceSwitcherStrategyFailover)
+        async with running_pipeline(switcher) as p:
+            attempts = [f"Attempt number {i}." for i in range(3)]
+            await speak_and_wait(p, attempts)  # the first waits queue_timeout_s and is refused: the switch
+            await wait_until(lambda: primary.is_usable, timeout=LONG_WAIT)  # back at the next check of the load
+    assert switcher.strategy.active_service is backup  # the application decides when to switch back
+    assert backup.spoken == attempts[1:]
+    assert not p.up.of_type(ErrorFrame)
+
+
+async def test_with_unusable_while_overloaded_off_overloads_never_fail_over_and_the_primary_speaks_again(config):
+    async with full_engine(config) as (engine, make_room):
+        primary, backup = OrpheusTTSService(engine=engine, unusable_while_overloaded=False), BackupTTS()
         switcher = ServiceSwitcher([primary, backup], strategy_type=ServiceSwitcherStrategyFailover)
         async with running_pipeline(switcher) as p:
             await speak_and_wait(p, [f"Attempt number {i}." for i in range(5)])
@@ -405,28 +450,6 @@ async def test_overloads_never_fail_over_and_the_primary_speaks_again_once_the_e
     assert backup.spoken == []
     assert [e.processor for e in p.up.of_type(ErrorFrame)] == [primary] * 5
     assert len(spoken_contexts(p.down.received())) == 1  # the primary, once the engine had room
-
-
-async def test_an_overflow_policy_moves_each_overloaded_utterance_to_the_backup_and_the_primary_comes_back(config):
-    async with full_engine(config) as (engine, make_room):
-        primary, backup = OrpheusTTSService(engine=engine), BackupTTS()
-        switcher = ServiceSwitcher([primary, backup], strategy_type=OverflowToBackup)
-        overloads: list[ErrorFrame] = []
-        primary.add_event_handler("on_error", lambda _service, error: overloads.append(error))
-        async with running_pipeline(switcher) as p:
-            for i in range(5):  # the application tries its primary first for every utterance
-                await switch_to(p, switcher, primary)  # refused once the primary were written off
-                await speak_and_wait(p, [f"Attempt number {i}."])  # at capacity: the policy moves to the backup
-                assert switcher.strategy.active_service is backup
-                await speak_and_wait(p, [f"Attempt number {i}."])  # the application says it again, on the backup
-            await make_room()
-            await switch_to(p, switcher, primary)
-            await speak_and_wait(p, [TEXT])
-    assert len(overloads) == 5 and all(e.category is ErrorCategory.RATE_LIMIT for e in overloads)
-    assert backup.spoken == [f"Attempt number {i}." for i in range(5)]
-    assert primary.is_usable and not p.up.of_type(ErrorFrame)  # each failover absorbed its overload
-    primary_audio = [pcm for pcm in audio_by_context(p.down.received()).values() if len(pcm) > 960]
-    assert len(primary_audio) == 1  # the last utterance, spoken by the primary
 
 
 async def test_a_dead_engine_fails_over_to_the_backup_for_the_rest_of_the_call(config: EngineConfig):

@@ -438,6 +438,8 @@ def test_constructor_validates_voice_and_engine_arguments(synthetic_config: Engi
         OrpheusTTSService(engine=engine, settings=Settings(voice="nobody"))
     with pytest.raises(ValueError, match="either engine or engine_config"):
         OrpheusTTSService(engine=engine, engine_config=synthetic_config)
+    with pytest.raises(ValueError, match="capacity_poll_s"):
+        OrpheusTTSService(engine=engine, capacity_poll_s=0)
 
 
 async def test_services_share_the_process_wide_engine(synthetic_config: EngineConfig, pacing: str):
@@ -454,7 +456,9 @@ async def test_services_share_the_process_wide_engine(synthetic_config: EngineCo
         await shared.aclose()
 
 
-async def test_engine_at_capacity_is_reported_and_other_calls_continue(synthetic_config: EngineConfig, pacing: str):
+async def test_a_full_engine_is_reported_the_others_unusable_until_it_has_room_and_the_speaking_call_continues(
+    synthetic_config: EngineConfig, pacing: str
+):
     config = replace(paced(synthetic_config, pacing), max_streams=1)
     async with controlled_engine(config, hold_after=70) as engine:
         first, second = OrpheusTTSService(engine=engine), OrpheusTTSService(engine=engine)
@@ -463,11 +467,13 @@ async def test_engine_at_capacity_is_reported_and_other_calls_continue(synthetic
             await p1.down.wait_for(lambda f: isinstance(f, TTSAudioRawFrame))  # held: the only slot stays taken
             await p2.send(TTSSpeakFrame(TEXT))
             error = await p2.up.wait_for(lambda f: isinstance(f, ErrorFrame))
-            assert "capacity" in error.error and error.processor is second and second.is_usable
+            assert "capacity" in error.error and error.processor is second and not second.is_usable
             await p2.down.wait_for(lambda f: isinstance(f, TTSStoppedFrame))  # its context closed, not left open
+            assert first.is_usable  # speaking: its next sentence takes the slot its current one frees
             engine.backend_control.release.set()
             await p1.down.wait_for(lambda f: isinstance(f, TTSStoppedFrame), timeout=60)
-        assert not p1.up.of_type(ErrorFrame)
+            await wait_until(lambda: second.is_usable, timeout=60)  # the engine has room again
+        assert not p1.up.of_type(ErrorFrame) and len(p2.up.of_type(ErrorFrame)) == 1
         assert engine.stats()["active_streams"] == 0
 
 

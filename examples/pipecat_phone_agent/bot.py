@@ -28,6 +28,7 @@ from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from pipecat.workers.runner import WorkerRunner
 
 from .config import TurnTaking
+from .failures import EndOnStageFailure, MuteWhileEnding
 from .latency import TurnMoments, call_markers
 from .stages import AgentResources
 
@@ -62,7 +63,8 @@ def turn_stop_strategy(turns: TurnTaking) -> BaseUserTurnStopStrategy:
 
 
 def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResources) -> PipelineWorker:
-    """The call's pipeline, with a greeting on connect and a cancel on hang-up."""
+    """The call's pipeline, with a greeting on connect, a cancel on hang-up, and an apology and an end if a stage
+    fails (failures.py)."""
     serializer = TwilioFrameSerializer(
         call.stream_sid,
         call_sid=call.call_sid,
@@ -75,9 +77,12 @@ def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResourc
     turns = resources.config.turns
     vad = SileroVADAnalyzer(params=VADParams(start_secs=turns.vad_start_secs, stop_secs=turns.vad_stop_secs))
     stop = turn_stop_strategy(turns)
+    mute = MuteWhileEnding()
     aggregators = LLMContextAggregatorPair(
         LLMContext(),
-        user_params=LLMUserAggregatorParams(vad_analyzer=vad, user_turn_strategies=UserTurnStrategies(stop=[stop])),
+        user_params=LLMUserAggregatorParams(
+            vad_analyzer=vad, user_turn_strategies=UserTurnStrategies(stop=[stop]), user_mute_strategies=[mute]
+        ),
     )
     stt, llm, tts = resources.make_stt(), resources.make_llm(), resources.make_tts()
     user, out = aggregators.user(), transport.output()
@@ -94,6 +99,7 @@ def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResourc
         ),
         observers=[moments],
     )
+    EndOnStageFailure(call.call_sid, stt=stt, llm=llm, tts=tts, mute=mute).attach(worker)
 
     @transport.event_handler("on_client_connected")
     async def greet(_transport, _websocket) -> None:

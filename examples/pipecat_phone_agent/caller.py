@@ -188,6 +188,10 @@ class Line:
             await asyncio.sleep(0.005)
         return result
 
+    def agent_hung_up(self) -> bool:
+        """Whether the agent has closed the media stream (ended the call) since `open`."""
+        return len(self._tasks) == 2 and self._tasks[1].done()
+
     async def first_audio_after(self, t: float, timeout: float) -> float:
         """Arrival time of the first agent audio after `t`."""
         return await self.wait(lambda: next((a for a, _ in self.media if a > t), None), timeout, "agent audio")

@@ -6,8 +6,9 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from orpheus_tts_plugin import EngineConfig, SyntheticConfig
+from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.affinity import allowed_cpus, cpu_list
+from orpheus_tts_plugin.engine import SpeechEngine
 
 GREETING = "Hello, thanks for calling. How can I help you today?"
 SYSTEM_PROMPT = (
@@ -43,12 +44,22 @@ class AgentConfig:
     llm_base_url: str = "http://127.0.0.1:8000/v1"
     llm_model: str = "meta-llama/Llama-3.2-3B-Instruct"
     llm_api_key: str = "none"
+    llm_timeout_s: float = 10.0  # longest wait for the LLM's answer to begin, or for its next piece
     voice: str = "tara"
     max_tokens: int | None = None  # cap on audio tokens per sentence (about 82 per second of speech)
     greeting: str = GREETING
     turns: TurnTaking = field(default_factory=TurnTaking)
     engine: EngineConfig = field(default_factory=EngineConfig)
     tts_url: str | None = None  # speak through `orpheus-tts serve` at this URL (RemoteEngine) instead of in-process
+
+
+def shared_engine(config: AgentConfig) -> SpeechEngine:
+    """The process's engine for `config`: in process, or a RemoteEngine for an `orpheus-tts serve` URL (one socket)."""
+    if config.tts_url:
+        from orpheus_tts_plugin import RemoteEngine
+
+        return RemoteEngine.shared(config.tts_url)
+    return OrpheusEngine.shared(config.engine)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llm", choices=("offline", "openai"), default=d.llm, help="offline: the offline responder")
     p.add_argument("--llm-base-url", default=os.environ.get("LLM_BASE_URL", d.llm_base_url))
     p.add_argument("--llm-model", default=os.environ.get("LLM_MODEL", d.llm_model))
+    p.add_argument(
+        "--llm-timeout", type=float, default=d.llm_timeout_s, help="seconds without an LLM answer before the call ends"
+    )
     p.add_argument("--voice", default=d.voice)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="audio tokens per sentence at most")
     p.add_argument("--greeting", default=d.greeting)
@@ -113,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         llm_base_url=a.llm_base_url,
         llm_model=a.llm_model,
         llm_api_key=os.environ.get("OPENAI_API_KEY", "none"),
+        llm_timeout_s=a.llm_timeout,
         voice=a.voice,
         max_tokens=a.max_tokens,
         greeting=a.greeting,

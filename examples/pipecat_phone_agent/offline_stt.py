@@ -304,7 +304,7 @@ class PocketsphinxSTTService(STTService):
             await self.start_processing_metrics()
             try:
                 text = await ending
-            except Exception as e:  # noqa: BLE001 - a failed decode loses this segment, not the call
+            except Exception as e:  # noqa: BLE001 - reported; the call then apologises and ends (failures.py)
                 await self.push_error(f"{self}: transcription failed: {e}", exception=e)
                 text = ""
             finally:

@@ -5,13 +5,18 @@
 Endpoints: `GET|POST /twiml` (point the Twilio number's voice webhook here), `WS /ws` (the media
 stream the TwiML connects), `GET /stats` (calls and engine counters, e.g. for load balancing),
 `GET /calls/{stream_sid}/moments` (when each latency stage of the call's turns happened).
+
+Before it listens, the server checks every configured stage (checks.py) and loads the engine and the
+recognizer; if any cannot run it exits with status 2 and one line naming the stage and the fix.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 from xml.sax.saxutils import quoteattr
 
 import uvicorn
@@ -20,9 +25,14 @@ from fastapi.responses import Response
 
 from orpheus_tts_plugin.affinity import pin_process
 
-from .bot import read_twilio_start, run_call
+from .checks import StageUnavailable, check_stages, start_tts
 from .config import AgentConfig, parse_args
-from .stages import AgentResources
+
+if TYPE_CHECKING:  # Pipecat is imported after the checks: its import logs a banner, and a refusal is one line
+    from .stages import AgentResources
+
+EXIT_STAGE_UNAVAILABLE = 2
+EXIT_INTERRUPTED = 130  # as a shell reports a program ended by Ctrl-C
 
 
 def twiml(stream_url: str) -> str:
@@ -33,14 +43,15 @@ def twiml(stream_url: str) -> str:
     )
 
 
-def create_app(config: AgentConfig) -> FastAPI:
-    """The FastAPI app; the engine and recognizer load at startup, before the first call is accepted."""
-    resources = AgentResources(config)
+def create_app(resources: AgentResources) -> FastAPI:
+    """The FastAPI app on started resources (engine, recognizer), which it closes when the server shuts down."""
+    from .bot import read_twilio_start, run_call
+
+    config = resources.config
     calls = {"active": 0, "total": 0}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await resources.start()
         try:
             yield
         finally:
@@ -76,11 +87,35 @@ def create_app(config: AgentConfig) -> FastAPI:
     return app
 
 
+async def serve(config: AgentConfig) -> None:
+    """Load what every call shares, then serve calls until the server is stopped (SIGINT, SIGTERM)."""
+    await start_tts(config)
+    from .stages import AgentResources
+
+    resources = AgentResources(config)
+    try:
+        await resources.start()
+    except BaseException:
+        await resources.close()
+        raise
+    server = uvicorn.Server(uvicorn.Config(create_app(resources), host=config.host, port=config.port, log_level="info"))
+    await server.serve()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Check the stages, load, serve; a stage that cannot run is one line on stderr and exit status 2."""
     config = parse_args(argv)
     if config.cpus is not None:
         pin_process(config.cpus)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info")
+    try:
+        check_stages(config)
+        asyncio.run(serve(config))
+    except StageUnavailable as exc:
+        print(f"phone agent: cannot start: {exc}", file=sys.stderr)
+        return EXIT_STAGE_UNAVAILABLE
+    except KeyboardInterrupt:
+        print("phone agent: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -7,10 +7,10 @@ from typing import Any
 
 from pipecat.processors.frame_processor import FrameProcessor
 
-from orpheus_tts_plugin import OrpheusEngine
 from orpheus_tts_plugin.pipecat import OrpheusTTSService
 
-from .config import AgentConfig
+from .checks import StageUnavailable, first_line
+from .config import AgentConfig, shared_engine
 from .offline_responder import OfflineResponder
 from .offline_stt import PocketsphinxRecognizer, PocketsphinxSTTService
 
@@ -22,7 +22,7 @@ class AgentResources:
 
     def __init__(self, config: AgentConfig):
         self.config = config
-        self.engine = _remote(config.tts_url) if config.tts_url else OrpheusEngine.shared(config.engine)
+        self.engine = shared_engine(config)
         self.recognizer = None
         if config.stt == "pocketsphinx":
             self.recognizer = PocketsphinxRecognizer(config.stt_workers, cpus=config.stt_cpus)
@@ -35,10 +35,14 @@ class AgentResources:
             self.moments.popitem(last=False)
 
     async def start(self) -> None:
-        """Load the engine (and the offline recognizer) before the first call arrives."""
+        """Load the engine (at once if `checks.start_tts` did) and the offline recognizer before the first call
+        arrives; StageUnavailable in one line if the recognizer cannot start."""
         await self.engine.start()
         if self.recognizer is not None:
-            await self.recognizer.start()
+            try:
+                await self.recognizer.start()
+            except Exception as exc:  # noqa: BLE001 - a recognizer that cannot start hears no caller
+                raise StageUnavailable("STT (pocketsphinx)", first_line(exc)) from None
 
     async def close(self) -> None:
         if self.recognizer is not None:
@@ -65,10 +69,3 @@ class AgentResources:
         """This call's voice, speaking through the shared engine."""
         settings = OrpheusTTSService.Settings(voice=self.config.voice, max_tokens=self.config.max_tokens)
         return OrpheusTTSService(engine=self.engine, settings=settings)
-
-
-def _remote(url: str) -> OrpheusEngine:
-    """The process's RemoteEngine for an `orpheus-tts serve` URL: the engine's interface, over one socket."""
-    from orpheus_tts_plugin import RemoteEngine
-
-    return RemoteEngine.shared(url)  # type: ignore[return-value]

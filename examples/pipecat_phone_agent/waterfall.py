@@ -58,6 +58,7 @@ def add_stages(report: dict[str, Any], moments_of: dict[str, list[list[Any]]]) -
     for call in report["calls"]:
         moments = moments_of.get(call.get("stream_sid", ""), [])
         call["server_turn_ends"] = sum(stage == "turn_end" for _, stage in moments)
+        call["moments"] = moments
         for turn in call["turns"]:
             turn["stages_ms"] = stages_ms(moments, turn["speech_end_monotonic"], turn["first_audio_monotonic"])
 

@@ -132,8 +132,10 @@ def test_four_simulated_calls_at_once_hear_the_agent_and_barge_in_clears_its_aud
         *("--backend", "synthetic", "--model", "none", "--snac", str(test_model_dir / "snac"), "--device", "cpu"),
         *("--synthetic-rate", "150", "--max-tokens", "300", "--stt", "pocketsphinx", "--llm", "offline"),
         *pinned_cpus()[0],  # the agent on one CPU as in the demo; its recognizers anywhere
+        *("--stt-p99", "100", "--turn-stop-timeout", "120"),  # a turn waits for its transcript however starved
+        # the (niced) STT is: a turn cannot end before its last words are heard
     ]
-    script = CallScript(question=caller_lines["question"], barge_in=caller_lines["barge_in"], timeout_s=30.0)
+    script = CallScript(question=caller_lines["question"], barge_in=caller_lines["barge_in"], timeout_s=120.0)
     report = run_demo(tmp_path, server_args, calls=4, script=script)
 
     assert report["server"]["calls"]["total"] == 4

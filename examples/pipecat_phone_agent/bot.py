@@ -81,7 +81,10 @@ def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResourc
     aggregators = LLMContextAggregatorPair(
         LLMContext(),
         user_params=LLMUserAggregatorParams(
-            vad_analyzer=vad, user_turn_strategies=UserTurnStrategies(stop=[stop]), user_mute_strategies=[mute]
+            vad_analyzer=vad,
+            user_turn_strategies=UserTurnStrategies(stop=[stop]),
+            user_mute_strategies=[mute],
+            user_turn_stop_timeout=turns.turn_stop_timeout,
         ),
     )
     stt, llm, tts = resources.make_stt(), resources.make_llm(), resources.make_tts()

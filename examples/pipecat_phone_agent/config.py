@@ -25,6 +25,7 @@ class TurnTaking:
     vad_stop_secs: float = 0.2  # silence this long is the end of speech for Silero VAD
     stop: str = "timeout"  # timeout: the turn ends user_speech_timeout after the VAD stop | smart: smart-turn v3
     user_speech_timeout: float = 0.6  # (timeout) how long the caller may pause and go on before the turn ends
+    turn_stop_timeout: float = 5.0  # a turn whose transcript is this late ends without it (Pipecat's default)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class AgentConfig:
     public_url: str | None = None  # wss://…/ws that Twilio should connect to; default: from the request's Host
     stt: str = "pocketsphinx"  # pocketsphinx (offline) | whisper (Pipecat's faster-whisper service)
     stt_workers: int = 2  # pocketsphinx decoder processes
+    stt_p99_s: float = 3.0  # (pocketsphinx) how late after the speech end a final transcript may come: the turn waits
     cpus: frozenset[int] | None = None  # run the agent's process on these CPUs only
     stt_cpus: frozenset[int] | None = None  # the recognizers' CPUs (None: the agent's); --cpus: all it had at start
     whisper_model: str = "Systran/faster-distil-whisper-medium.en"
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stt", choices=("pocketsphinx", "whisper"), default=d.stt)
     p.add_argument("--stt-workers", type=int, default=d.stt_workers, help="pocketsphinx decoder processes")
     p.add_argument(
+        "--stt-p99", type=float, default=d.stt_p99_s,
+        help="seconds a final transcript may take after the speech ends (pocketsphinx; the turn waits for it)",
+    )  # fmt: skip
+    p.add_argument(
         "--cpus", type=cpu_list, default=None, metavar="LIST",
         help="run the agent's process on these CPUs only, e.g. 0 (taskset's list); its recognizers run anywhere",
     )  # fmt: skip
@@ -91,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vad-stop-secs", type=float, default=d.turns.vad_stop_secs)
     t.add_argument("--turn-stop", choices=("timeout", "smart"), default=d.turns.stop)
     t.add_argument("--user-speech-timeout", type=float, default=d.turns.user_speech_timeout)
+    t.add_argument(
+        "--turn-stop-timeout", type=float, default=d.turns.turn_stop_timeout,
+        help="seconds after the speech ends that a turn waits for its transcript (a starved STT: raise it)",
+    )  # fmt: skip
     g = p.add_argument_group("Orpheus engine")
     g.add_argument("--tts-url", default=None, help="speak through an `orpheus-tts serve` server (ws://HOST:PORT)")
     g.add_argument("--model", default=e.model, help="hub id or local dir; 'none' with --backend synthetic")
@@ -119,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         public_url=a.public_url,
         stt=a.stt,
         stt_workers=a.stt_workers,
+        stt_p99_s=a.stt_p99,
         cpus=a.cpus,
         stt_cpus=None if a.cpus is None else allowed_cpus(),
         whisper_model=a.whisper_model,
@@ -131,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         voice=a.voice,
         max_tokens=a.max_tokens,
         greeting=a.greeting,
-        turns=TurnTaking(a.vad_start_secs, a.vad_stop_secs, a.turn_stop, a.user_speech_timeout),
+        turns=TurnTaking(a.vad_start_secs, a.vad_stop_secs, a.turn_stop, a.user_speech_timeout, a.turn_stop_timeout),
         engine=engine,
         tts_url=a.tts_url,
     )

@@ -221,10 +221,10 @@ class PocketsphinxRecognizer:
 class PocketsphinxSTTService(STTService):
     """Streaming STT on a shared PocketsphinxRecognizer: one transcript per VAD segment, right after its stop."""
 
-    def __init__(self, recognizer: PocketsphinxRecognizer, **kwargs: Any):
+    def __init__(self, recognizer: PocketsphinxRecognizer, p99_s: float = TRANSCRIPT_P99_S, **kwargs: Any):
         super().__init__(
             sample_rate=SAMPLE_RATE,
-            ttfs_p99_latency=TRANSCRIPT_P99_S,
+            ttfs_p99_latency=p99_s,
             settings=STTSettings(model="pocketsphinx-en-us", language=Language.EN_US),
             **kwargs,
         )

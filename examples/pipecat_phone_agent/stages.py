@@ -52,7 +52,7 @@ class AgentResources:
     def make_stt(self) -> FrameProcessor:
         """This call's speech recognizer: pocketsphinx (offline) or Whisper (real)."""
         if self.recognizer is not None:
-            return PocketsphinxSTTService(self.recognizer)
+            return PocketsphinxSTTService(self.recognizer, p99_s=self.config.stt_p99_s)
         from .whisper_stt import make_whisper_stt
 
         return make_whisper_stt(self.config)

@@ -7,45 +7,31 @@ the worker keeps LiveKit's default process per job instead, every job reaching t
 and the server's load reported. STT and LLM go through LiveKit Inference; VAD runs locally.
 
     pip install "orpheus-tts-plugin[livekit]"
-    python examples/livekit_agent.py download-files     # Orpheus + SNAC weights into the HF cache
+    python examples/livekit_agent.py download-files      # Orpheus + SNAC weights into the HF cache
+    python examples/livekit_agent.py speak "Hello." --out hello.wav   # offline: one job, no LiveKit server
     export LIVEKIT_URL=wss://... LIVEKIT_API_KEY=... LIVEKIT_API_SECRET=...
-    python examples/livekit_agent.py start              # or: python examples/livekit_agent.py dev
+    python examples/livekit_agent.py start               # or: dev; or `lk agent start|dev|console` on this file
 
-Settings (environment): ORPHEUS_MODEL (hub id or local dir), ORPHEUS_BACKEND (hf | trtllm | vllm |
-remote), ORPHEUS_SERVER_URL (ws://HOST:8880 of `orpheus-tts serve`, or several such URLs separated by
-commas, each call's speech then going to the least-loaded; then no model loads here),
-ORPHEUS_VOICE, ORPHEUS_MAX_CALLS (calls one worker may hold), ORPHEUS_LOAD_THRESHOLD,
-ORPHEUS_FALLBACK_TTS (a LiveKit Inference TTS, e.g. cartesia/sonic-3, that speaks while Orpheus is
-stalled, full, loading or failed: docs/livekit.md, "Timeouts, retries and failover").
+Settings: environment variables or flags (livekit_settings.ENV; `--help` lists them), checked before
+anything loads; every mistake is one line and exit status 2. docs/livekit.md, "The example", says what a
+real deployment needs.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 
-from livekit.agents import (
-    Agent,
-    AgentServer,
-    AgentSession,
-    APIConnectOptions,
-    JobContext,
-    JobProcess,
-    cli,
-    inference,
-    tts,
-)
+import livekit_cli
+from livekit.agents import Agent, AgentServer, AgentSession, APIConnectOptions, JobContext, JobProcess, inference, tts
 from livekit.agents.voice.agent_session import SessionConnectOptions
+from livekit_settings import settings_or_exit
 
-from orpheus_tts_plugin import EngineConfig
 from orpheus_tts_plugin import livekit as orpheus
 
-ENGINE = EngineConfig(
-    model=os.environ.get("ORPHEUS_MODEL", EngineConfig.model),
-    backend=os.environ.get("ORPHEUS_BACKEND", EngineConfig.backend),
-)
-SERVER_URL = os.environ.get("ORPHEUS_SERVER_URL")
-VOICE = os.environ.get("ORPHEUS_VOICE", "tara")
-FALLBACK_TTS = os.environ.get("ORPHEUS_FALLBACK_TTS")
+if __name__ == "__main__":  # run as a script: the front door (flags, checks), which has LiveKit import this file
+    sys.exit(livekit_cli.main(__file__))
+
+SETTINGS = settings_or_exit("livekit_agent.py")  # imported by LiveKit's CLI or a job process: check it here too
 # A stalled engine is noticed 2 s after the request or the last chunk (healthy first audio on a GPU: ~0.2 s).
 CONN_OPTIONS = SessionConnectOptions(tts_conn_options=APIConnectOptions(timeout=2.0))
 INSTRUCTIONS = (
@@ -55,8 +41,10 @@ INSTRUCTIONS = (
 
 
 def engine() -> orpheus.SpeechEngine:
-    """This process's engine: the shared in-process one, or its connection to the engine server."""
-    return orpheus.remote_engine(SERVER_URL) if SERVER_URL else orpheus.prewarm_engine(ENGINE)
+    """This process's engine: the shared in-process one, or its connection to the engine server(s)."""
+    if SETTINGS.server_url:
+        return orpheus.remote_engine(SETTINGS.server_url)
+    return orpheus.prewarm_engine(SETTINGS.engine)
 
 
 def prewarm(proc: JobProcess) -> None:
@@ -65,24 +53,29 @@ def prewarm(proc: JobProcess) -> None:
     proc.userdata["vad"] = inference.VAD()
 
 
-server = AgentServer(
-    **orpheus.server_options(
-        None if SERVER_URL else ENGINE,
-        server_url=SERVER_URL,
-        max_jobs=int(os.environ.get("ORPHEUS_MAX_CALLS", "64")),
-        load_threshold=float(os.environ.get("ORPHEUS_LOAD_THRESHOLD", "0.8")),
-    ),
-    setup_fnc=prewarm,
-)
+def make_server() -> AgentServer:
+    """A worker for this example's engine (thread executor in process, process executor with a server URL)."""
+    return AgentServer(
+        **orpheus.server_options(
+            None if SETTINGS.server_url else SETTINGS.engine,
+            server_url=SETTINGS.server_url,
+            max_jobs=SETTINGS.max_calls,
+            load_threshold=SETTINGS.load_threshold,
+        ),
+        setup_fnc=prewarm,
+    )
 
 
 async def voice() -> tts.TTS:
-    """Orpheus, failing over at once to FALLBACK_TTS if set; without one, wait for the model to load first."""
-    speaker = orpheus.TTS(engine=engine(), voice=VOICE)
-    if FALLBACK_TTS:  # no retries of the same TTS: fail over on the first timeout or error
-        return tts.FallbackAdapter([speaker, inference.TTS(FALLBACK_TTS)], max_retry_per_tts=0)
+    """Orpheus, failing over at once to the fallback TTS if set; without one, wait for the model to load first."""
+    speaker = orpheus.TTS(engine=engine(), voice=SETTINGS.voice)
+    if SETTINGS.fallback_tts:  # no retries of the same TTS: fail over on the first timeout or error
+        return tts.FallbackAdapter([speaker, inference.TTS(SETTINGS.fallback_tts)], max_retry_per_tts=0)
     await speaker.engine.start()  # nothing else could speak meanwhile (the worker's first call only)
     return speaker
+
+
+server = make_server()
 
 
 @server.rtc_session()
@@ -97,7 +90,3 @@ async def entrypoint(ctx: JobContext) -> None:
     )
     await session.start(agent=Agent(instructions=INSTRUCTIONS), room=ctx.room)
     session.generate_reply(instructions="Greet the user and offer your help.")
-
-
-if __name__ == "__main__":
-    cli.run_app(server)

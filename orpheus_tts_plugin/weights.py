@@ -84,7 +84,7 @@ def load_error(what: str, source: str | None, exc: BaseException) -> ModelLoadEr
         return ModelLoadError(
             f"cannot load {what} {source!r}: it is not a local directory, not in the Hugging Face cache, and the "
             "hub cannot be reached. Fetch it where there is network with `orpheus-tts download` (or "
-            "`python agent.py download-files`), or pass a local directory (`orpheus-tts make-test-model DIR` "
+            "a LiveKit agent's `download-files`), or pass a local directory (`orpheus-tts make-test-model DIR` "
             "writes random-weight test checkpoints)"
         )
     return ModelLoadError(f"cannot load {what} {source!r}: {type(exc).__name__}: {first}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from livekit.agents import AgentServer, JobContext, JobProcess
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine
@@ -83,12 +84,19 @@ def _import_example() -> ModuleType:
     return module
 
 
-async def test_example_builds_its_server_without_a_livekit_server() -> None:
+async def test_example_builds_its_server_without_a_livekit_server(
+    test_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # its helper modules, as a script run finds them
+    monkeypatch.setenv("ORPHEUS_MODEL", str(test_model_dir / "orpheus"))  # checked at import: the test model's paths
+    monkeypatch.setenv("ORPHEUS_SNAC", str(test_model_dir / "snac"))
+    monkeypatch.setenv("ORPHEUS_DEVICE", "cpu")
+    monkeypatch.delenv("ORPHEUS_SERVER_URL", raising=False)
     example = _import_example()
     server = example.server
     assert isinstance(server, AgentServer)
     assert server.setup_fnc is example.prewarm
-    assert not OrpheusEngine.shared(example.ENGINE).started  # importing loads no model
+    assert not OrpheusEngine.shared(example.SETTINGS.engine).started  # importing loads no model
     run = asyncio.create_task(server.run(devmode=True, unregistered=True))
     await asyncio.sleep(0.2)
     assert not run.done()  # the worker is up with no LiveKit server to talk to

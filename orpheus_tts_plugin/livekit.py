@@ -294,12 +294,45 @@ class ChunkedStream(tts.ChunkedStream):
         self._engine = tts.engine
         self._opts = tts._opts
         self._pace = tts._pace
+        self._timeout = conn_options.timeout  # LiveKit keeps conn_options private (tts/tts.py ChunkedStream)
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=False)
         segment = _Segment(self._pace)
-        await _speak(self._engine, self._input_text, self._opts, output_emitter, self._conn_options.timeout, segment)
+        await _speak(self._engine, self.input_text, self._opts, output_emitter, self._timeout, segment)
         # no flush(): the base class ends the input, so the last audio frame itself carries is_final
+
+
+class _PushedText:
+    """The text pushed to a stream so far, each flush as None, replayed from the start for each attempt."""
+
+    def __init__(self) -> None:
+        self._items: list[str | None] = []
+        self._ended = False
+        self._changed = asyncio.Event()
+
+    def add(self, item: str | None) -> None:
+        """Keep a token (empty ones are dropped, as LiveKit does) or a flush (None), unless the input has ended."""
+        if item != "" and not self._ended:
+            self._items.append(item)
+            self._changed.set()
+
+    def end(self) -> None:
+        """No more text will come."""
+        self._ended = True
+        self._changed.set()
+
+    async def replay(self) -> AsyncIterator[str | None]:
+        """Everything pushed, from the first token, waiting for more until the input ends."""
+        sent = 0
+        while True:
+            while sent < len(self._items):
+                sent += 1
+                yield self._items[sent - 1]
+            if self._ended:
+                return
+            self._changed.clear()
+            await self._changed.wait()
 
 
 class SynthesizeStream(tts.SynthesizeStream):
@@ -311,6 +344,25 @@ class SynthesizeStream(tts.SynthesizeStream):
         self._opts = tts._opts
         self._sentence_tokenizer = tts._sentence_tokenizer
         self._pace = tts._pace
+        self._timeout = conn_options.timeout  # LiveKit keeps conn_options private (tts/tts.py SynthesizeStream)
+        self._pushed = _PushedText()
+
+    # LiveKit gives a stream's pushed text to its subclass only through private names (SynthesizeStream._input_ch
+    # and _FlushSentinel, tts/tts.py), so the public push_text/flush/end_input also keep it here, for every attempt.
+    def push_text(self, token: str) -> None:
+        """LiveKit's, keeping the text for `_run`."""
+        super().push_text(token)
+        self._pushed.add(token)
+
+    def flush(self) -> None:
+        """LiveKit's, keeping the flush for `_run`."""
+        super().flush()
+        self._pushed.add(None)
+
+    def end_input(self) -> None:
+        """LiveKit's (it flushes), then no more text for `_run`."""
+        super().end_input()
+        self._pushed.end()
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=True)
@@ -322,9 +374,8 @@ class SynthesizeStream(tts.SynthesizeStream):
                 if segment is None:
                     output_emitter.start_segment(segment_id=utils.shortuuid())
                     segment = _Segment(self._pace)
-                self._mark_started()
-                timeout = self._conn_options.timeout
-                await _speak(self._engine, sentence.token, self._opts, output_emitter, timeout, segment)
+                self._mark_started()  # LiveKit's only start of the stream's metrics clock (tts/tts.py)
+                await _speak(self._engine, sentence.token, self._opts, output_emitter, self._timeout, segment)
             await forward
             if segment is not None:
                 output_emitter.end_segment()
@@ -335,8 +386,8 @@ class SynthesizeStream(tts.SynthesizeStream):
     async def _forward_input(self, sentences: tokenize.SentenceStream) -> None:
         """Feed pushed text to the sentence splitter; the first flush after some text ends the stream's segment."""
         has_text = False
-        async for data in self._input_ch:
-            if isinstance(data, self._FlushSentinel):
+        async for data in self._pushed.replay():
+            if data is None:  # a flush
                 if has_text:
                     break  # LiveKit drops text pushed after a segment's flush: nothing more can come
                 continue

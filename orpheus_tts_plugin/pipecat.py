@@ -1,17 +1,18 @@
 """Pipecat adapter: `OrpheusTTSService` speaks through an in-process `OrpheusEngine` shared by every call.
 
-Contracts with Pipecat 1.14's `TTSService` (services/tts_service.py), each kept in one place below:
+Contracts with Pipecat 1.14's `TTSService` (services/tts_service.py), each kept in one place below, through
+Pipecat's public API only (tests/test_adapter_public_api.py); each workaround names what the API lacks:
 
 - Start-up: `start()` only begins the engine's load (`prewarm()`), so a load never runs inside
   `PipelineWorker`'s start timeout (pipeline/worker.py, `start_timeout_secs`, 20 s by default); synthesis
   waits for the load, `engine_ready` and the `on_engine_ready` event report it, and a failed load is
   reported at once as a permanent error.
-- A failed request is reported as one `ErrorFrame` and its context is closed at once
-  (`_is_yielding_frames_synchronously`).
+- A failed request is reported as one `ErrorFrame` and its context is closed at once, with its turn
+  (`on_turn_context_completed`).
 - A context stays open while its request runs, so a first chunk later than `stop_frame_timeout_s`
-  never splits an utterance (`_next_audio_context_item`).
-- A context whose request failed with a reported error is not counted as a silent one
-  (`_record_context_audio_outcome`): overload is transient, never a dead service.
+  never splits an utterance (`_keep_context_open`).
+- A context whose request failed with a reported error is not counted as a silent one (`push_error`,
+  `on_audio_context_completed`): overload is transient, never a dead service.
 - Overload: while the engine has no room for a new stream the service is not usable (`is_usable`, the one
   thing `ServiceSwitcherStrategyFailover` reads), reported before an utterance is refused where the load shows
   it (`_check_capacity`), and usable again on its own once the engine has room (`on_usable_changed`).
@@ -25,9 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import AsyncGenerator
-from dataclasses import field, fields, make_dataclass
-from typing import Any
+import inspect
+import logging
+import re
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
 from .engine import AudioChunk, OrpheusEngine, SpeechEngine
@@ -44,13 +48,22 @@ from .words import DEFAULT_WEIGHTS, Pace, Weights, WordTimer
 
 try:
     from pipecat.audio.utils import create_stream_resampler
-    from pipecat.frames.frames import CancelFrame, EndFrame, Frame, StartFrame, TTSAudioRawFrame
+    from pipecat.frames.frames import (
+        CancelFrame,
+        EndFrame,
+        Frame,
+        StartFrame,
+        TTSAudioRawFrame,
+        TTSStoppedFrame,
+        TTSUpdateSettingsFrame,
+    )
+    from pipecat.processors.frame_processor import FrameDirection
     from pipecat.services.settings import TTSSettings
     from pipecat.services.tts_service import TTSService
     from pipecat.transcriptions.language import Language
     from pipecat.utils.errors import ErrorCategory
     from pipecat.utils.tracing.service_decorators import traced_tts
-    from pipecat.utils.types import NOT_GIVEN
+    from pipecat.utils.types import NOT_GIVEN, NotGiven
 except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
     raise missing_extra("pipecat", "the Pipecat adapter", exc) from exc
 
@@ -69,6 +82,13 @@ _FAILURES: tuple[tuple[tuple[type[Exception], ...], str, ErrorCategory, bool | N
     ((Exception,), "Orpheus synthesis failed", ErrorCategory.SERVER, None),
 )
 _ENGINE_DOWN = ("failed", "closed")  # engine.health() statuses after which nothing more can be spoken
+ENGINE_READY = "on_engine_ready"  # this service's own event
+# The error TTSService._record_context_audio_outcome pushes for a context that completed with no audio.
+_SILENT_CONTEXT = re.compile(r"TTS context (?P<context_id>\S+) completed with no audio")
+# TTSService's default `stop_frame_timeout_s`, read from its signature (the base keeps the value private).
+_STOP_FRAME_TIMEOUT_S: float = inspect.signature(TTSService.__init__).parameters["stop_frame_timeout_s"].default
+
+logger = logging.getLogger(__name__)
 
 
 def _delta_field() -> Any:
@@ -109,14 +129,18 @@ class _Playout:
         return self._times[i] + (sample - self._starts[i]) / self._rate
 
 
-# Runtime-updatable settings: voice, model, language plus one delta field per SamplingOverrides field
-# (None = the engine's default), so that the sampling options are declared in one place only.
-OrpheusTTSSettings = make_dataclass(
-    "OrpheusTTSSettings",
-    [(f.name, f"{f.type} | NotGiven", _delta_field()) for f in fields(SamplingOverrides)],
-    bases=(TTSSettings,),
-    namespace={"__module__": __name__, "__doc__": "Pipecat TTS settings plus the Orpheus sampling overrides."},
-)
+@dataclass
+class OrpheusTTSSettings(TTSSettings):
+    """Pipecat TTS settings (model, voice, language) plus the Orpheus sampling overrides, runtime-updatable.
+
+    One field per `SamplingOverrides` field, None meaning the engine's default (tests check the two agree).
+    """
+
+    temperature: float | None | NotGiven = _delta_field()
+    top_p: float | None | NotGiven = _delta_field()
+    repetition_penalty: float | None | NotGiven = _delta_field()
+    max_tokens: int | None | NotGiven = _delta_field()
+    seed: int | None | NotGiven = _delta_field()
 
 
 class OrpheusTTSService(TTSService):
@@ -132,10 +156,11 @@ class OrpheusTTSService(TTSService):
 
     Event handlers: `on_engine_ready(service)`, once the engine has loaded after this service started;
     Pipecat's `on_usable_changed(service, is_usable)`, also when an overload begins and ends.
+
+    Keeping a context open while its request runs relies on Pipecat's default `reuse_context_id_within_turn=True`.
     """
 
     Settings = OrpheusTTSSettings
-    _settings: OrpheusTTSSettings
 
     def __init__(
         self,
@@ -162,36 +187,27 @@ class OrpheusTTSService(TTSService):
         if settings is not None:
             store.apply_update(settings)
         self._validate(store)
+        self._ready_handlers: list[Callable[..., Any]] = []  # on_engine_ready's
+        self._keepalive_s = kwargs.get("stop_frame_timeout_s", _STOP_FRAME_TIMEOUT_S) / 2
         super().__init__(push_start_frame=True, push_stop_frames=True, push_text_frames=False, settings=store, **kwargs)
         self._streams: dict[str, AsyncGenerator[AudioChunk, None]] = {}
         self._playouts: dict[str, _Playout] = {}  # per audio context: where its words play
         self._pace = Pace(word_weights)  # this call's speaking rate, learnt sentence by sentence
         # Contexts given to the engine (run_tts ran for them) -> whether one of their requests failed, reported.
         self._asked_contexts: dict[str, bool] = {}
+        self._turns: list[str] = []  # the open turns' contexts, innermost last (a TTSSpeakFrame inside an LLM turn)
+        self._last_run_yielded_audio = False  # what the base closes a turn's context on, as it computes it
         self._unusable_while_overloaded = unusable_while_overloaded
         self._capacity_poll_s = capacity_poll_s
         self._overloaded = False  # unusable because the engine is full: usable again once it has room
         self._background: list[asyncio.Task[None]] = []
         # Cleared explicitly per utterance, never by a timer: a slow engine tick must not reset it mid-utterance.
         self._pcm_resampler = create_stream_resampler(clear_after_secs=None)
-        self._register_event_handler("on_engine_ready")
 
     @property
-    def _is_yielding_frames_synchronously(self) -> bool:
-        """Always True: this service yields all its audio from run_tts, so the turn's end closes its context.
-
-        The base closes a turn's context at the turn's end (TTSStoppedFrame, then the end marker:
-        `on_turn_context_completed`) only when this flag is set, and sets it after each run_tts to
-        whether that call yielded audio (`tts_process_generator`): a service that delivers audio out
-        of band closes its contexts itself. A request that failed before any audio would thus leave
-        its context open for `stop_frame_timeout_s`, holding every later context behind it. Here the
-        flag cannot be cleared, so a failed request's context closes right after its ErrorFrame.
-        """
-        return True
-
-    @_is_yielding_frames_synchronously.setter
-    def _is_yielding_frames_synchronously(self, _: bool) -> None:
-        """Ignored (the base writes it; see the getter)."""
+    def settings(self) -> OrpheusTTSSettings:
+        """The current settings (Pipecat's, typed as this service's)."""
+        return cast(OrpheusTTSSettings, super().settings)
 
     @property
     def engine(self) -> SpeechEngine:
@@ -206,6 +222,33 @@ class OrpheusTTSService(TTSService):
     def can_generate_metrics(self) -> bool:
         """TTFB, TTFA and usage metrics are reported."""
         return True
+
+    # ---------------------------------------------------------------- events
+    # Pipecat has no public way for a service to declare an event of its own (BaseObject._register_event_handler
+    # and _call_event_handler, utils/base_object.py), so `on_engine_ready` keeps its handlers here.
+    def add_event_handler(self, event_name: str, handler: Callable[..., Any]) -> None:
+        """Pipecat's, plus `on_engine_ready`."""
+        if event_name == ENGINE_READY:
+            self._ready_handlers.append(handler)
+        else:
+            super().add_event_handler(event_name, handler)
+
+    def remove_event_handler(self, event_name: str, handler: Callable[..., Any]) -> None:
+        """Pipecat's, plus `on_engine_ready`."""
+        if event_name == ENGINE_READY:
+            self._ready_handlers = [h for h in self._ready_handlers if h is not handler]
+        else:
+            super().remove_event_handler(event_name, handler)
+
+    async def _engine_ready(self) -> None:
+        """Call each `on_engine_ready` handler (sync or async) with this service; one that raises is logged."""
+        for handler in list(self._ready_handlers):
+            try:
+                result = handler(self)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # a handler's bug must not stop the others, as in Pipecat's own events
+                logger.exception("%s: on_engine_ready handler failed", self)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self, frame: StartFrame) -> None:
@@ -247,7 +290,7 @@ class OrpheusTTSService(TTSService):
         except Exception as exc:  # noqa: BLE001 - whatever the load raised, the service cannot speak
             await self._report_failure(exc)
             return
-        await self._call_event_handler("on_engine_ready")
+        await self._engine_ready()
 
     async def _watch_capacity(self) -> None:
         """Check the engine's room every `capacity_poll_s` while the service runs (a property read: no I/O)."""
@@ -271,20 +314,19 @@ class OrpheusTTSService(TTSService):
         elif full and not self._overloaded and self.is_usable and not self._streams and self._engine.ready:
             await self._report_failure(EngineOverloadedError("engine at capacity: no room for a new stream"))
 
-    async def _next_audio_context_item(self, context_id: str) -> Any:
-        """The base's wait for a context's next item, renewed while that context's request still runs.
+    async def _keep_context_open(self) -> None:
+        """Restart the base's quiet-context timer every half `stop_frame_timeout_s` while a request runs.
 
         The base ends a context that receives nothing for `stop_frame_timeout_s` (3 s by default) and puts
         later audio in a re-created context without a TTSStartedFrame (`append_to_audio_context`). A first
-        chunk can come later than that (engine loading, queued behind a full batch); the utterance stays
-        whole however late, and however busy the event loop. An end marker still ends the context at once.
+        chunk can come later than that (engine loading, queued behind a full batch); the utterance stays whole.
         """
+        # Pipecat's keepalive for an audio context is private (TTSService._refresh_audio_context,
+        # services/tts_service.py); the public create_context_id() calls it for the turn's context, the one
+        # run_tts is speaking (reuse_context_id_within_turn=True).
         while True:
-            try:
-                return await self._audio_context_manager.get(context_id, timeout=self._stop_frame_timeout_s)
-            except TimeoutError:
-                if context_id not in self._streams:
-                    return None  # the base's rule: a context that goes quiet has ended
+            await asyncio.sleep(self._keepalive_s)
+            self.create_context_id()
 
     async def _stop_background(self) -> None:
         tasks, self._background = self._background, []
@@ -306,9 +348,11 @@ class OrpheusTTSService(TTSService):
         """The sampling fields as engine overrides (None means the engine's default)."""
         return SamplingOverrides(**{name: getattr(settings, name) for name in SAMPLING_FIELDS})
 
-    async def _update_settings(self, delta: OrpheusTTSSettings) -> dict[str, Any]:
-        """Apply a delta if the engine accepts it; otherwise push an error and keep the current settings."""
-        candidate = self._settings.copy()
+    # Pipecat applies every settings update in the private TTSService._update_settings (services/tts_service.py);
+    # its public entry points are checked here instead: TTSUpdateSettingsFrame, set_model, set_voice.
+    async def _accepts(self, delta: TTSSettings) -> bool:
+        """True if the engine accepts the settings with `delta` applied; otherwise push an error and say False."""
+        candidate = self.settings.copy()
         candidate.apply_update(delta)
         try:
             self._validate(candidate)
@@ -318,8 +362,26 @@ class OrpheusTTSService(TTSService):
                 exception=exc,
                 category=ErrorCategory.APPLICATION,
             )
-            return {}
-        return await super()._update_settings(delta)
+            return False
+        return True
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        """Drop a settings update for this service that the engine would reject (with an error); else the base's."""
+        if isinstance(frame, TTSUpdateSettingsFrame) and (frame.service is None or frame.service is self):
+            delta = frame.delta if frame.delta is not None else self.Settings.from_mapping(frame.settings or {})
+            if not await self._accepts(delta):
+                return
+        await super().process_frame(frame, direction)
+
+    async def set_model(self, model: str) -> None:
+        """Pipecat's (deprecated), if the engine accepts the model."""
+        if await self._accepts(self.Settings(model=model)):
+            await super().set_model(model)
+
+    async def set_voice(self, voice: str) -> None:
+        """Pipecat's (deprecated), if the engine accepts the voice."""
+        if await self._accepts(self.Settings(voice=voice)):
+            await super().set_voice(voice)
 
     # ---------------------------------------------------------------- synthesis
     @traced_tts
@@ -329,10 +391,11 @@ class OrpheusTTSService(TTSService):
         Each word goes to `add_word_timestamps` once its estimated end has been delivered, timed on the
         context's playout timeline; the base class turns it into a TTSTextFrame with a `pts`. Waits for
         the engine's load if it is still running. A failure is reported at once, and the context is then
-        closed with the turn (see `_is_yielding_frames_synchronously`).
+        closed with the turn (see `on_turn_context_completed`).
         """
-        settings = self._settings
+        settings = self.settings
         self._asked_contexts.setdefault(context_id, False)
+        self._last_run_yielded_audio = False
         try:
             stream = self._engine.synthesize(text, voice=settings.voice, sampling=self._sampling(settings))
         except (ValueError, TypeError) as exc:
@@ -343,11 +406,13 @@ class OrpheusTTSService(TTSService):
         playout = self._playouts.setdefault(context_id, _Playout(SAMPLE_RATE))
         await self.start_tts_usage_metrics(text)
         await self._pcm_resampler.reset()
+        keepalive = self.create_task(self._keep_context_open(), name="context_keepalive")
         try:
             offset = None
             async for chunk in stream:
                 audio = await self._to_output_rate(chunk)
                 if audio:
+                    self._last_run_yielded_audio = True
                     yield TTSAudioRawFrame(audio, self.sample_rate, 1, context_id=context_id)
                 at = playout.deliver(self.get_clock().get_time() / 1e9, chunk.num_samples)
                 offset = at - chunk.start_sample if offset is None else offset
@@ -357,6 +422,7 @@ class OrpheusTTSService(TTSService):
         except Exception as exc:  # noqa: BLE001 - mapped in _report_failure; a start failure is not an EngineError
             await self._report_failure(exc, context_id)
         finally:
+            await self.cancel_task(keepalive)
             if self._streams.get(context_id) is stream:
                 del self._streams[context_id]
             await stream.aclose()
@@ -400,28 +466,34 @@ class OrpheusTTSService(TTSService):
             category=category,
             force_treat_as_permanent=permanent or overloaded,
         )
+        await self._restart_silence_count()
 
-    async def _record_context_audio_outcome(self, context_id: str, received_audio: bool) -> None:
-        """Count a context with no audio towards the base's write-off rule only if the engine was asked to speak
-        it and no error was reported for it.
+    # The base's write-off rule (`max_consecutive_zero_audio_contexts`, 3 by default: after that many completed
+    # contexts in a row with no audio it pushes a permanent error and the service is no longer given work) is
+    # for "a provider that accepts requests and stays silent", whose silence no error surfaces (TTSService.__init__,
+    # _record_context_audio_outcome). A request whose failure was reported is no such silence: its own category
+    # says whether it is permanent, and counting it would turn three transient overloads into a written-off
+    # service. Nor is a context the base never gave to run_tts (it skips a service that is not usable, which may
+    # be usable again when the context completes). Contexts the engine was asked to speak that stayed silent
+    # without an error are still counted, so the rule keeps catching a wedged engine.
+    # Pipecat has no public hook on that count (TTSService._record_context_audio_outcome, services/tts_service.py)
+    # and its only public reset is set_usable(True); so the count restarts at each reported failure and after
+    # such a context completes, and the per-context "no audio" error pushed for one is dropped (`push_error`).
+    def _no_evidence(self, context_id: str) -> bool:
+        """True if the context's silence says nothing about the engine: never asked to speak it, or it failed."""
+        return self._asked_contexts.get(context_id, True)
 
-        The rule (`max_consecutive_zero_audio_contexts`, 3 by default: after that many completed contexts
-        in a row with no audio the base pushes a permanent error and the service is no longer given work)
-        exists for "a provider that accepts requests and stays silent ... which no error ever surfaces"
-        (TTSService.__init__ and this method's docstring in the base). A request that failed has already
-        been reported, and its own category says whether the failure is permanent; counting it again
-        would turn three transient overloads into a written-off service that a ServiceSwitcher never
-        switches back to. What resets the count is the base's: a context with audio, `set_usable(True)`,
-        and a settings update that changes something (AIService._update_settings calls set_usable(True)).
-        Nor is a context the base never gave to run_tts: it skips the text of a service that is not usable,
-        and the service may be usable again (the engine has room) by the time that context completes. Contexts
-        the engine was asked to speak and that stayed silent without an error (an engine that stopped producing
-        audio) are still counted, so the rule keeps catching a wedged engine.
-        """
-        failed = self._asked_contexts.pop(context_id, True)  # never asked: no evidence either way
-        if failed and not received_audio:
+    async def _restart_silence_count(self) -> None:
+        """Restart the base's count of silent contexts (a no-op for `is_usable` and `on_usable_changed`)."""
+        if self.is_usable:
+            await self.set_usable(True)  # TTSService.set_usable zeroes the count; the flag is unchanged
+
+    async def push_error(self, error_msg: str, *args: Any, **kwargs: Any) -> None:
+        """Pipecat's, less the base's "completed with no audio" error for a context whose silence is no evidence."""
+        silent = _SILENT_CONTEXT.fullmatch(error_msg)
+        if silent and self._no_evidence(silent["context_id"]):
             return
-        await super()._record_context_audio_outcome(context_id, received_audio)
+        await super().push_error(error_msg, *args, **kwargs)
 
     # ---------------------------------------------------------------- interruption
     async def on_audio_context_interrupted(self, context_id: str) -> None:
@@ -431,9 +503,33 @@ class OrpheusTTSService(TTSService):
         await self._close_stream(context_id)
 
     async def on_audio_context_completed(self, context_id: str) -> None:
-        """The context's audio is all out: forget its timeline (the base restarts word timing with the next)."""
+        """The context's audio is all out: forget its timeline, and take it out of the silence count if it says
+        nothing about the engine (the base restarts word timing with the next)."""
         self._playouts.pop(context_id, None)
+        if self._no_evidence(context_id):
+            await self._restart_silence_count()
+        self._asked_contexts.pop(context_id, None)
         await super().on_audio_context_completed(context_id)
+
+    async def on_turn_context_created(self, context_id: str) -> None:
+        """Note the turn's context: its end closes it (`on_turn_context_completed`)."""
+        self._turns = [*self._turns[-1:], context_id]  # at most an LLM turn and a TTSSpeakFrame inside it
+        await super().on_turn_context_created(context_id)
+
+    async def on_turn_context_completed(self) -> None:
+        """Close the turn's context at its end even when its last request yielded no audio (it failed at once).
+
+        This service yields all its audio from run_tts, so nothing else will close the context; left open, it
+        would hold every later context behind it for `stop_frame_timeout_s`.
+        """
+        # The base closes it only if the turn's last run_tts yielded audio (the private flag
+        # TTSService._is_yielding_frames_synchronously, set in tts_process_generator, services/tts_service.py);
+        # this closes it, as the base does, in the other case.
+        context_id = self._turns.pop() if self._turns else None
+        await super().on_turn_context_completed()
+        if context_id is not None and not self._last_run_yielded_audio and self.audio_context_available(context_id):
+            await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
+            await self.remove_audio_context(context_id)
 
     async def _close_stream(self, context_id: str) -> None:
         stream = self._streams.pop(context_id, None)

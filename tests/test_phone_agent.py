@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import wave
 from pathlib import Path
 from typing import Any
@@ -263,3 +267,36 @@ async def test_an_utterance_still_open_when_the_call_ends_is_dropped_not_transcr
     (utterance,) = recognizer.utterances
     assert utterance.finished_with == b"dropped"
     assert not [f for f in down if isinstance(f, TranscriptionFrame)]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line holds `text` (the demo's own output folder names its servers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@needs_espeak
+def test_ctrl_c_during_the_demo_stops_it_and_its_servers_with_one_line_and_status_130(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "examples.pipecat_phone_agent.demo", "--out", str(out), "--calls", "1"]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (out / "server-serve.log").exists():  # the TTS server is up and the agent starting: calls are next
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the demo never started its agent"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)  # to the demo alone, as `kill -INT` would
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.decode().splitlines() if line.strip()]
+    assert proc.returncode == 130 and lines[-1] == "phone demo: interrupted" and "Traceback" not in err.decode()
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(str(out)):  # its servers are gone too
+        assert time.monotonic() < deadline, _processes_mentioning(str(out))
+        time.sleep(0.1)

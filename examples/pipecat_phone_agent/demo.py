@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -96,6 +97,9 @@ def running(cmd: list[str], ready_url: str, log_path: Path, start_timeout: float
                 raise TimeoutError(f"{cmd[2]} not up after {start_timeout:.0f} s; see {log_path}")
             time.sleep(0.25)
         yield
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: stop now, without a drain
+        raise
     finally:
         proc.terminate()
         try:
@@ -170,6 +174,15 @@ def run_demo(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the demo; Ctrl-C stops it and its servers at once, with one line and status 130."""
+    try:
+        return demo(argv)
+    except KeyboardInterrupt:
+        print("phone demo: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def demo(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/phone-agent", help="where the model, fixtures, WAVs and report go")
     parser.add_argument("--calls", type=int, default=4, help="simulated calls placed at once")

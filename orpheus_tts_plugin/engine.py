@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Counters stats() always has, zero until counted (the others appear when they first happen).
+_STREAM_COUNTERS = ("streams_started", "streams_completed", "streams_cancelled", "streams_failed", "streams_rejected")
 TRIM_INTERVAL_S = 1.0  # the idle decoder thread hands freed heap memory back to the OS at most this often
 
 
@@ -431,7 +433,7 @@ class OrpheusEngine:
         self._worker: _DecodeWorker | None = None
         self._tokenizer: Any = None
         self._open: set[_Stream] = set()
-        self._counters: collections.Counter[str] = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter(dict.fromkeys(_STREAM_COUNTERS, 0))
         self._closed = False
         self._failure: str | None = None
         self._kick_pending = False  # engine loop only

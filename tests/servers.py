@@ -92,7 +92,7 @@ def serve_processes(arg_lists: list[list[str]], log: Path) -> Iterator[list[subp
         with log.open("ab") as out:
             for args in arg_lists:
                 cmd = [sys.executable, "-m", "orpheus_tts_plugin.cli", *args]
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=out))
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=out, preexec_fn=default_sigint))
         deadline = time.monotonic() + 120
         for args, proc in zip(arg_lists, procs):
             while ready_status(int(args[args.index("--port") + 1])) != 200:
@@ -121,3 +121,9 @@ async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+def default_sigint() -> None:
+    """`preexec_fn` of a child that a test interrupts: SIGINT back to its default, whatever the test runner's
+    parent did (a shell's background job inherits SIGINT ignored, and Ctrl-C would then not reach the child)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -23,7 +23,7 @@ import pytest
 
 from orpheus_tts_plugin import EngineError, RemoteEngine
 from tests.model_dirs import model_with
-from tests.servers import free_port, serve_args, serve_process
+from tests.servers import default_sigint, free_port, serve_args, serve_process
 
 EXIT_S = 15.0  # "promptly": a few seconds, with slack for a loaded host
 LONG_TEXT = " ".join(f"Sentence number {i} is here, and it goes on for a while." for i in range(40))
@@ -33,7 +33,8 @@ LONG_TEXT = " ".join(f"Sentence number {i} is here, and it goes on for a while."
 def cli(args: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """`orpheus-tts ARGS` with stderr (and stdout) to `log`; killed at the end if still running."""
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "orpheus_tts_plugin.cli", *args], stdout=out, stderr=out)
+        cmd = [sys.executable, "-m", "orpheus_tts_plugin.cli", *args]
+        proc = subprocess.Popen(cmd, stdout=out, stderr=out, preexec_fn=default_sigint)
     try:
         yield proc
     finally:

@@ -27,6 +27,7 @@ from examples.pipecat_phone_agent.offline_responder import RULES, OfflineRespond
 from examples.pipecat_phone_agent.offline_stt import SAMPLE_RATE, PocketsphinxRecognizer  # noqa: E402
 from examples.pipecat_phone_agent.server import twiml  # noqa: E402
 from examples.pipecat_phone_agent.waterfall import STAGES, stages_ms  # noqa: E402
+from tests.servers import default_sigint  # noqa: E402
 
 TRANSPORT_CHUNK_MS = 40  # Pipecat's default output chunk: 4 x 10 ms
 needs_espeak = pytest.mark.skipif(
@@ -286,7 +287,8 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_ctrl_c_during_the_demo_stops_it_and_its_servers_with_one_line_and_status_130(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "examples.pipecat_phone_agent.demo", "--out", str(out), "--calls", "1"]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    root = Path(__file__).parents[1]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
     deadline = time.monotonic() + 300
     while not (out / "server-serve.log").exists():  # the TTS server is up and the agent starting: calls are next
         assert proc.poll() is None, proc.communicate()

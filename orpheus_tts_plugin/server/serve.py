@@ -321,13 +321,15 @@ def draining_server(config: uvicorn.Config, service: Service, drain_timeout_s: f
 def serve_main(args: argparse.Namespace) -> int:
     """Run `orpheus-tts serve` until SIGTERM (drain, then exit) or SIGINT (exit now, status 130)."""
     rules = policy(args)
+    _uvicorn()  # first: a missing server extra is the one line to see, whatever else is wrong
+    from .app import create_app
+
     if args.cpus is not None:  # before torch loads, so that its thread pool is sized for these CPUs
         pin_process(args.cpus)
     sock = listening_socket(args.host, args.port, args.uds)
     wanted = engine_config(args)
     check_before_load(wanted)
     from ..engine import OrpheusEngine
-    from .app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = OrpheusEngine(wanted)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
+from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest, continuation_seed
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH, TOKENS_PER_FRAME
 from tests.trtllm_standin import LLM, CudaGraphConfig, KvCacheConfig, install
@@ -101,6 +101,18 @@ async def take(stream, n: int, llm: LLM) -> list[int]:
         llm.iterate()
         out += await asyncio.wait_for(stream.__anext__(), 2.0)
     return out
+
+
+async def to_the_end(stream, llm: LLM, limit: int = 1000) -> list[int]:
+    """Every id `stream` has left, running one executor iteration per id, until it ends."""
+    out: list[int] = []
+    for _ in range(limit):
+        llm.iterate()
+        try:
+            out += await asyncio.wait_for(stream.__anext__(), 2.0)
+        except StopAsyncIteration:
+            return out
+    raise AssertionError(f"no end after {limit} iterations")
 
 
 async def seeded_ids(model: str, seeds: list[int], n: int = 12) -> list[list[int]]:
@@ -591,6 +603,75 @@ async def test_generate_needs_a_started_backend_and_its_loop(trt12, model) -> No
 
     with pytest.raises(BackendError, match="loop"):
         await asyncio.to_thread(other_loop)
+
+
+# ---- pause and resume (a reader that stopped reading) ----
+
+
+async def test_a_paused_stream_gives_its_slot_back_then_resumes_as_a_continuation_to_end_of_speech(trt, model) -> None:
+    backend, llm = await started(model, max_batch_size=8)
+    assert backend.audio_constraint == "position"
+    stream = backend.generate(request(temperature=0.0))
+    ids = await take(stream, 10, llm)
+    stream.pause(True)
+    await settle()
+    llm.iterate()  # the executor ends the aborted request ("cancelled", read by nobody): its slot is free
+    assert llm.results[0].aborts == 1 and llm.active == [] and llm.waiting == []
+    stats = backend.stats()
+    assert (stats["live_requests"], stats["paused_requests"], stats["pauses"]) == (1, 1, 1)
+    stream.pause(False)
+    await settle()
+    assert llm.calls[-1] == {"inputs": [*request().prompt_ids, *ids], "streaming": True}
+    p = llm.results[-1].sampling_params
+    assert (p.max_tokens, p.seed, p.end_id, p.temperature) == (690, continuation_seed(7, 1), SPEC.end_of_speech, 0.0)
+    assert p.logits_processor.offset == 10
+    ids += await to_the_end(stream, llm)
+    assert stream.finish_reason == FinishReason.STOP and SPEC.end_of_speech not in ids
+    assert positions(ids) == [k % TOKENS_PER_FRAME for k in range(len(ids))]  # resumed mid-frame (10 % 7 == 3)
+    stats = backend.stats()
+    assert (stats["requests"], stats["live_requests"], stats["paused_requests"], stats["resumes"]) == (1, 0, 0, 1)
+    assert stats["tokens"] == len(ids) and stats["aborted"] == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_a_greedy_stream_paused_and_resumed_mid_frame_gives_the_ids_of_one_never_paused(
+    trt, model, overlap
+) -> None:
+    llm_kwargs = {} if overlap else {"disable_overlap_scheduler": True}
+    backend, llm = await started(model, max_batch_size=8, llm_kwargs=llm_kwargs)
+    whole = await to_the_end(backend.generate(request("whole", temperature=0.0)), llm)
+    stream = backend.generate(request("paused", temperature=0.0))
+    ids = await take(stream, 10, llm)
+    for _ in range(2):  # paused at 10, then at 17: both mid-frame
+        stream.pause(True)
+        await settle()
+        llm.iterate()
+        stream.pause(False)
+        await settle()
+        ids += await take(stream, 7, llm)
+    assert stream.attempt.request_id == "paused~2"
+    ids += await to_the_end(stream, llm)
+    assert ids == whole and len(whole) > 3 * TOKENS_PER_FRAME  # the penalty and the processor saw the same history
+    assert stream.finish_reason == FinishReason.STOP
+
+
+async def test_a_stream_paused_while_queued_is_dropped_without_an_answer_and_resumes_later(trt, model) -> None:
+    backend, llm = await started(model, max_batch_size=1)
+    first = backend.generate(request("first"))
+    queued = backend.generate(request("queued"))
+    llm.iterate()
+    assert llm.waiting == [llm.results[1]]  # no slot for it yet
+    queued.pause(True)
+    await settle()
+    llm.iterate()  # dropped from the queue without a response: nobody waits for one
+    assert llm.waiting == [] and llm.results[1].cancelled
+    queued.pause(False)
+    await settle()
+    assert llm.waiting == [llm.results[2]] and llm.calls[2]["inputs"] == list(request().prompt_ids)  # nothing yet
+    await first.aclose()
+    assert len(await take(queued, 3, llm)) == 3 and queued.attempt.request_id == "queued~1"
+    await queued.aclose()
+    assert llm.results[2].aborts == 1 and backend.stats()["live_requests"] == 0
 
 
 # ---- quantize --format trtllm ----

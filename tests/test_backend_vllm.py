@@ -19,7 +19,7 @@ from typing import Any, TypedDict
 
 import pytest
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
+from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest, continuation_seed
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
 
@@ -388,6 +388,22 @@ async def test_the_cpu_build_refuses_fp8_weights_before_starting_vllm(fake_vllm,
     assert FakeAsyncLLM.instances == []
 
 
+@pytest.mark.parametrize("kernels", [False, True])
+async def test_the_cpu_build_takes_an_fp8_kv_cache_only_where_its_cpu_has_the_kernels(
+    fake_vllm, plain, monkeypatch, kernels: bool
+) -> None:
+    from orpheus_tts_plugin.backends import vllm
+
+    monkeypatch.setattr(vllm, "cpu_has_fp8_kv_kernels", lambda: kernels)  # AVX-512 or AMX (AVX2-only EPYC: none)
+    if kernels:
+        _, engine = await started(plain, kv_cache_dtype="fp8")
+        assert engine.engine_args.kv_cache_dtype == "fp8"
+    else:
+        with pytest.raises(ValueError, match=r"no FP8 KV-cache kernels for this CPU .*kv_cache_dtype='auto'"):
+            await vllm.VllmBackend(plain, kv_cache_dtype="fp8").start()
+        assert FakeAsyncLLM.instances == []
+
+
 async def test_engine_kwargs_override_every_choice(fake_vllm, plain) -> None:
     _, engine = await started(plain, engine_kwargs={"enforce_eager": False, "dtype": "bfloat16", "quantization": "x"})
     assert (engine.engine_args.enforce_eager, engine.engine_args.dtype, engine.engine_args.quantization) == (
@@ -491,6 +507,32 @@ async def test_closing_from_another_task_wakes_the_consumer(fake_vllm, plain) ->
 
 async def _collect(stream) -> list[list[int]]:
     return [ids async for ids in stream]
+
+
+async def test_a_paused_stream_leaves_vllm_and_resumes_as_a_request_that_continues_prompt_and_positions(
+    fake_vllm, plain
+) -> None:
+    backend, engine = await started(plain)
+    stream = backend.generate(request())
+    await settle()
+    engine.step("r1", AUDIO[:3])
+    assert await stream.__anext__() == AUDIO[:3]
+    stream.pause(True)
+    await settle()
+    assert engine.aborted == ["r1"] and engine.get_num_unfinished_requests() == 0
+    assert backend.stats()["paused_requests"] == 1 and backend.stats()["live_requests"] == 1
+    stream.pause(False)
+    await settle()
+    sent = engine.requests["r1~1"]
+    assert sent.prompt == {"type": "token", "prompt_token_ids": [*request().prompt_ids, *AUDIO[:3]]}
+    p = sent.params
+    assert (p.max_tokens, p.seed, p.stop_token_ids, p.temperature) == (697, continuation_seed(3, 1), [128258], 0.6)
+    assert p.extra_args["orpheus_audio_offset"] == 3 and p.extra_args["orpheus_audio"] == 1
+    engine.step("r1~1", [AUDIO[3], SPEC.end_of_speech], "stop")
+    assert await _collect(stream) == [AUDIO[3:4]]
+    stats = backend.stats()
+    assert stream.finish_reason == FinishReason.STOP and (stats["requests"], stats["tokens"]) == (1, 4)
+    assert (stats["pauses"], stats["resumes"], stats["paused_requests"], stats["live_requests"]) == (1, 1, 0, 0)
 
 
 async def test_an_engine_failure_is_a_backend_error(fake_vllm, plain) -> None:

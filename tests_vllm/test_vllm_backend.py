@@ -14,7 +14,7 @@ import pytest
 from conftest import invalid_positions
 
 from orpheus_tts_plugin.backends.base import FinishReason, GenerationRequest
-from orpheus_tts_plugin.backends.vllm import MIN_VLLM, VllmBackend, import_vllm, parse_version
+from orpheus_tts_plugin.backends.vllm import MIN_VLLM, VllmBackend, VllmStream, import_vllm, parse_version
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
 
@@ -108,6 +108,75 @@ async def test_closing_a_stream_aborts_it_in_vllm_at_once(backend: VllmBackend) 
     assert backend.stats()["live_requests"] == 0
     ids, _ = await run(backend, request("after", 7))  # the engine serves on
     assert len(ids) == 7
+
+
+async def unfinished(backend: VllmBackend, n: int) -> None:
+    """Wait until vLLM holds `n` requests (an abort runs in a task); fails only if that never comes (a hang guard)."""
+
+    async def wait() -> None:
+        while backend.stats()["vllm_unfinished_requests"] != n:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(wait(), GUARD_S)
+
+
+async def paused_mid_frame(backend: VllmBackend, stream: VllmStream, at_least: int) -> list[int]:
+    """Ids of `stream` until it has generated `at_least` and sits mid-frame, then paused; its request has left vLLM."""
+    ids: list[int] = []
+    while stream.generated < at_least or stream.generated % 7 == 0:
+        ids += await asyncio.wait_for(stream.__anext__(), GUARD_S)
+    stream.pause(True)  # no await between the check and the pause: `generated` is where it resumes
+    await unfinished(backend, 0)
+    assert backend.stats()["paused_requests"] == 1
+    return ids
+
+
+async def test_a_greedy_stream_paused_and_resumed_mid_frame_gives_the_ids_of_one_never_paused(
+    backend: VllmBackend,
+) -> None:
+    whole, finish = await run(backend, request("whole", 40, temperature=0.0))
+    assert finish == FinishReason.LENGTH and len(whole) == 40
+    stream = backend.generate(request("paused", 40, temperature=0.0))
+    ids = await paused_mid_frame(backend, stream, 10)
+    offset = stream.generated
+    assert offset % 7 != 0
+    stream.pause(False)
+    ids += await asyncio.wait_for(_rest(stream), GUARD_S)
+    assert stream.attempt.request_id == "paused~1" and len(stream.attempt.prompt_ids) == len(PROMPT) + offset
+    assert ids == whole and stream.finish_reason == FinishReason.LENGTH
+    stats = backend.stats()
+    assert stats["paused_requests"] == 0 and stats["live_requests"] == 0 and stats["vllm_unfinished_requests"] == 0
+
+
+async def test_a_paused_stream_leaves_vllm_then_resumes_and_ends_at_its_stop_id(backend: VllmBackend) -> None:
+    """Ends the way end of speech ends a request (a stop id): the random model rarely picks end of speech itself."""
+    greedy, _ = await run(backend, request("plain", 40, temperature=0.0))
+    end = next(i for i in range(20, 40) if greedy[i] not in greedy[:i])  # an id first seen after the pause
+    before = backend.stats()
+    stream = backend.generate(request("stops", 40, temperature=0.0, stop=(SPEC.end_of_speech, greedy[end])))
+    ids = await paused_mid_frame(backend, stream, 12)
+    stream.pause(False)
+    ids += await asyncio.wait_for(_rest(stream), GUARD_S)
+    assert stream.finish_reason == FinishReason.STOP and ids == greedy[:end]
+    after = backend.stats()
+    assert after["requests"] - before["requests"] == 1  # one logical request, counted once
+    assert (after["pauses"] - before["pauses"], after["resumes"] - before["resumes"]) == (1, 1)
+
+
+async def test_a_sampled_stream_resumed_mid_frame_keeps_every_id_at_its_frame_position(backend: VllmBackend) -> None:
+    stream = backend.generate(request("sampled", 70, seed=5))
+    ids = await paused_mid_frame(backend, stream, 10)
+    for at in (24, 45):  # three attempts in all, each resumed mid-frame
+        stream.pause(False)
+        ids += await paused_mid_frame(backend, stream, at)
+    stream.pause(False)
+    ids += await asyncio.wait_for(_rest(stream), GUARD_S)
+    assert stream.attempt.request_id == "sampled~3"
+    assert len(ids) == 70 and invalid_positions(ids) == 0 and stream.finish_reason == FinishReason.LENGTH
+
+
+async def _rest(stream: VllmStream) -> list[int]:
+    return [i async for ids in stream for i in ids]
 
 
 async def test_close_aborts_live_requests_and_shuts_vllm_down(backend: VllmBackend) -> None:

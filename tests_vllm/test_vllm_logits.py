@@ -17,6 +17,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from orpheus_tts_plugin.backends import vllm_logits
+from orpheus_tts_plugin.backends.vllm import AUDIO_OFFSET_ARG
 from orpheus_tts_plugin.backends.vllm_logits import OrpheusAudioLogitsProcessor as Processor
 from orpheus_tts_plugin.spec import ENGLISH
 
@@ -43,6 +44,8 @@ def batch(added=(), removed=(), moved=(), size: int = 4) -> BatchUpdate:
 def test_the_extra_args_keys_match_what_the_backends_send() -> None:
     keys = {"orpheus_audio": 1, "orpheus_first_audio_token": 1, "orpheus_end_of_speech": 2}
     assert vllm_logits.extra_args(1, 2) == keys
+    assert vllm_logits.extra_args(1, 2, 9) == {**keys, AUDIO_OFFSET_ARG: 9}
+    assert AUDIO_OFFSET_ARG == vllm_logits.OFFSET_ARG  # vllm.py's copy (it must not import this module)
     assert vllm_logits.FQCN == "orpheus_tts_plugin.backends.vllm_logits:OrpheusAudioLogitsProcessor"
     defaults = SamplingParams(extra_args={"orpheus_audio": 1})  # its own copies of spec's ids (it imports no spec)
     assert vllm_logits.audio_ids_of(defaults) == (ENGLISH.first_audio_token, ENGLISH.end_of_speech)
@@ -80,6 +83,16 @@ def test_rows_follow_swaps_moves_and_removals() -> None:
     assert set(p.reqs) == {0, 2}
 
 
+def test_a_continuation_s_offset_moves_its_frame_positions_on() -> None:
+    p = Processor(None, torch.device("cpu"), False)
+    cont = SamplingParams(extra_args=vllm_logits.extra_args(offset=10))  # 10 ids came before this request
+    p.update_state(batch([(0, cont, None, []), (1, cont, None, [0] * 4)], size=2))
+    logits = torch.zeros(2, VOCAB)
+    p.apply(logits)
+    assert allowed(logits[0]) == expected(10) and allowed(logits[1]) == expected(14)
+    assert vllm_logits.audio_offset_of(cont) == 10 and vllm_logits.audio_offset_of(ON) == 0
+
+
 def test_other_model_families_pass_their_own_ids() -> None:
     p = Processor(None, torch.device("cpu"), False)
     other = SamplingParams(extra_args=vllm_logits.extra_args(1000, 5))
@@ -106,6 +119,8 @@ def test_the_masked_row_keeps_the_allowed_logits_values() -> None:
         {"orpheus_audio": 1, "orpheus_end_of_speech": "x"},
         {"orpheus_audio": 1, "orpheus_first_audio_token": -1},
         {"orpheus_audio": 1, "orpheus_first_audio_token": 1.5},
+        {"orpheus_audio": 1, "orpheus_audio_offset": -3},
+        {"orpheus_audio": 1, "orpheus_audio_offset": "7"},
     ],
 )
 def test_malformed_extra_args_are_refused(bad: dict) -> None:
@@ -140,19 +155,21 @@ def test_the_v2_interface_masks_by_position_and_prompt_length(monkeypatch: pytes
     prompt_len = torch.zeros(8, dtype=torch.int32)
     req_states = SimpleNamespace(max_num_reqs=8, prompt_len=SimpleNamespace(gpu=prompt_len))
     q = Processor(SimpleNamespace(), req_states)
-    for slot, n in {5: 12, 2: 30, 7: 9}.items():
+    for slot, n in {5: 12, 2: 30, 7: 9, 3: 20}.items():
         prompt_len[slot] = n
     other = SamplingParams(extra_args=vllm_logits.extra_args(1000, 5))
-    assert q.add_request(5, ON) and not q.add_request(2, OFF) and q.add_request(7, other)
+    cont = SamplingParams(extra_args=vllm_logits.extra_args(offset=10))
+    assert q.add_request(5, ON) and not q.add_request(2, OFF) and q.add_request(7, other) and q.add_request(3, cont)
     q.apply_staged_writes()
-    idx = np.array([5, 2, 7])
-    # rows: slot 5 before its first output (pos 11 = prompt 12 - 1), slot 2 anything, slot 7 after 10 outputs
+    idx = np.array([5, 2, 7, 3])
+    # rows: slot 5 before its first output (pos 11 = prompt 12 - 1), slot 2 anything, slot 7 after 10 outputs,
+    # slot 3 (a continuation of 10 ids) after 2 of its own
     ctx = SimpleNamespace(
         idx_mapping_np=idx,
         expanded_idx_mapping=torch.tensor(idx, dtype=torch.int32),
-        pos=torch.tensor([11, 40, 18], dtype=torch.int32),
+        pos=torch.tensor([11, 40, 18, 21], dtype=torch.int32),
     )
-    logits = torch.zeros(3, VOCAB)
+    logits = torch.zeros(4, VOCAB)
     q.apply(logits, ctx)
     assert allowed(logits[0]) == expected(0) and torch.isfinite(logits[1]).all()
-    assert allowed(logits[2]) == expected(10, 1000, 5)
+    assert allowed(logits[2]) == expected(10, 1000, 5) and allowed(logits[3]) == expected(12)

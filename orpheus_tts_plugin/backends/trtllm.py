@@ -177,7 +177,7 @@ class TrtllmBackend:
         self._llm: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bias: Any = None
-        self._requests = RequestCounts()
+        self._requests = RequestCounts(pausable=True)
 
     def resolved_kv_cache_dtype(self) -> str:
         """`kv_cache_dtype`, else "auto" for a checkpoint with a calibrated KV cache (or unknown), else "fp8"."""
@@ -219,8 +219,12 @@ class TrtllmBackend:
         args.update(self.llm_kwargs)
         return args
 
-    def sampling_params(self, req: GenerationRequest) -> Any:
-        """The `tensorrt_llm.SamplingParams` of one request: ids out only, end at end of speech."""
+    def sampling_params(self, req: GenerationRequest, audio_offset: int = 0) -> Any:
+        """The `tensorrt_llm.SamplingParams` of one request: ids out only, end at end of speech.
+
+        `audio_offset`: the ids its stream generated before this request (a continuation after a pause), from
+        which the position processor's frame positions go on.
+        """
         s = req.sampling
         # end_id already ends the request in the decoder; listing it as a stop id again only adds stop checks.
         stop = [i for i in self.spec.stop_ids(req.stop_ids) if i != self.spec.end_of_speech]
@@ -229,7 +233,8 @@ class TrtllmBackend:
             constraint["embedding_bias"] = self._bias
         elif req.constrain_audio and self.audio_constraint == "position":
             overlap = not self.llm_kwargs.get("disable_overlap_scheduler", False)
-            constraint["logits_processor"] = AudioPositionProcessor(self.spec, overlap=overlap)  # one per request
+            # one per request
+            constraint["logits_processor"] = AudioPositionProcessor(self.spec, overlap=overlap, offset=audio_offset)
         return self._t.SamplingParams(
             max_tokens=req.max_new_tokens,
             end_id=self.spec.end_of_speech,
@@ -266,14 +271,20 @@ class TrtllmBackend:
 
     def generate(self, req: GenerationRequest) -> TrtllmStream:
         check_loop(self._loop if self._llm is not None else None, self.name)
-        params = self.sampling_params(req)
         try:
-            result = self._llm.generate_async(list(req.prompt_ids), sampling_params=params, streaming=True)
+            result = self._submit(req)
         except Exception as exc:  # a rejected request must not take the engine down
             self._requests.failed_to_start()
             raise BackendError(f"trtllm rejected request {req.request_id}: {exc}") from exc
         self._requests.started()
-        return TrtllmStream(req, result, self.spec.stop_ids(req.stop_ids), self._requests)
+        return TrtllmStream(self, req, result)
+
+    def _submit(self, req: GenerationRequest, audio_offset: int = 0) -> Any:
+        """Hand `req` to TensorRT-LLM, streaming; its result."""
+        if self._llm is None:
+            raise BackendError(f"{self.name} backend is closed")
+        params = self.sampling_params(req, audio_offset)
+        return self._llm.generate_async(list(req.prompt_ids), sampling_params=params, streaming=True)
 
     def stats(self) -> dict[str, Any]:
         return self._requests.stats(
@@ -293,15 +304,18 @@ class TrtllmStream(PumpedStream):
     """New ids of one TensorRT-LLM request (`token_ids_diff` per step), pumped by a task into a mailbox.
 
     `aclose()` ends the mailbox itself and calls `result.abort()`: TensorRT-LLM sends no final output for a request
-    aborted while it still waits in the executor's queue, so a consumer waiting for one would wait forever.
+    aborted while it still waits in the executor's queue, so a consumer waiting for one would wait forever. A pause
+    aborts the same way and a resume submits the continuation (PumpedStream) as a new result; with KV block reuse
+    (KvCacheConfig's default) its prompt's filled blocks, generated ids included, are reused rather than recomputed.
     """
 
     name = "trtllm"
     finish_reasons = _FINISH
 
-    def __init__(self, req: GenerationRequest, result: Any, stop_ids: tuple[int, ...], counts: RequestCounts):
-        self.result = result
-        super().__init__(req, result, stop_ids, counts)
+    def __init__(self, backend: TrtllmBackend, req: GenerationRequest, result: Any):
+        self._backend = backend
+        self.result = result  # the current attempt's
+        super().__init__(req, result, backend.spec.stop_ids(req.stop_ids), backend._requests)
 
     def _new_ids(self, completion: Any) -> list[int]:
         return completion.token_ids_diff
@@ -318,6 +332,10 @@ class TrtllmStream(PumpedStream):
                 error = BackendError(f"trtllm request {self.req.request_id} ended with finish_reason {reason!r}")
         super()._push(ids, finish, error)
 
-    async def _abort(self) -> None:
-        """Dropping the iterator alone does not abort in TensorRT-LLM."""
+    def _abort(self) -> None:
+        """Dropping the iterator alone does not abort in TensorRT-LLM; `abort()` marks the request, at once."""
         self.result.abort()
+
+    def _resubmit(self, req: GenerationRequest, audio_offset: int) -> Any:
+        self.result = self._backend._submit(req, audio_offset)
+        return self.result

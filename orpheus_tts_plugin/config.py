@@ -142,7 +142,7 @@ class EngineConfig:
     decode_batch_frames: int | None = None  # frames (rows × chunk) per decoder call; None: max_streams
     decode_ahead_s: float | None = 0.5  # a stream this far ahead of real time is decoded several frames a call
     pause_unread_s: float | None = 2.0  # a stream's generation pauses while its caller has this much audio unread
-    compile: bool = False  # torch.compile the decoder step; on CUDA also capture decoder and hf steps as graphs
+    compile: bool = False  # torch.compile the decoder step; on CUDA also capture it as graphs (hf's always are)
     noise_seed: int = 0
     sentence_max_chars: int = 300
     token_budget_per_char: float = 12.0

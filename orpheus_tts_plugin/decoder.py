@@ -128,7 +128,7 @@ class StreamingDecoder:
     beyond 4 frames a call costs no less per frame on CPU and its memory grows with its length
     (docs/benchmarks.md), so a backlog is decoded over several calls, in order. Rows per call are bounded
     by `batch_frames` frames (rows × chunk length). `compile` runs the step through torch.compile;
-    `cuda_graphs` (default: as `compile`) replays each bucket as a CUDA graph on CUDA devices.
+    `cuda_graphs` (default: as `compile`, which it needs) replays each bucket as a CUDA graph on CUDA devices.
     Everything here runs on the engine's decoder thread (`new_state` excepted: it only builds a state).
     """
 
@@ -144,6 +144,8 @@ class StreamingDecoder:
     ):
         if first_chunk_frames < 1 or max_streams < 1:
             raise ValueError("first_chunk_frames and max_streams must be >= 1")
+        if cuda_graphs and not compile:  # on an H200 the eager step's capture failed: it copies host indices in
+            raise ValueError("cuda_graphs needs compile=True (the eager step cannot be captured)")
         self.first_chunk_frames = first_chunk_frames
         self.ahead_chunk_frames = first_chunk_frames  # a chunk length with its own buckets already
         self.snac = snac
@@ -333,7 +335,8 @@ class StreamingDecoder:
         if dev.type == "cuda" and self._cuda_graphs:
             graph = self._graphs.get((len(slots), n))
             if graph is None:
-                graph = self._graphs[(len(slots), n)] = _Graph(self._step_fn, inputs, dev, n != 1 or self._mask_steady)
+                padding = [torch.from_numpy(a) for a in self._padding_inputs(len(slots), n)]
+                graph = self._graphs[(len(slots), n)] = _Graph(self._step_fn, padding, dev, n != 1 or self._mask_steady)
             return graph.replay(inputs)
         return self._step_fn(*(t.to(dev) for t in inputs), mask=n != 1 or self._mask_steady)
 
@@ -368,11 +371,12 @@ class StreamingDecoder:
 class _Graph:
     """One bucket's step captured as a CUDA graph: copy the inputs in, replay, read the static output.
 
-    NOT RUN HERE (no GPU on the machines that build this project); scripts/gpu_bench.py measures it.
+    Warm-up and capture run on `padding` inputs (every row the scratch slot), as the step writes the rows'
+    layer state: warming up on a real call's inputs would advance its streams' state twice more.
     """
 
-    def __init__(self, step: Callable[..., Tensor], inputs: list[Tensor], device: torch.device, mask: bool):
-        self.static = [t.to(device) for t in inputs]
+    def __init__(self, step: Callable[..., Tensor], padding: list[Tensor], device: torch.device, mask: bool):
+        self.static = [t.to(device) for t in padding]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

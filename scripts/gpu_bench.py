@@ -77,6 +77,7 @@ class Plan:
     decoder_ticks: int = 40
     backend_concurrency: tuple[int, ...] = (1, 4, 16, 64, 128, 256)
     backend_tokens: int = 287  # 41 frames, 3.5 s of audio per request
+    eager_concurrency: tuple[int, ...] = (1, 64)  # the eager hf step, launch-bound on CUDA: a few points
     engine_streams: tuple[int, ...] = (1, 4, 16, 32, 64, 128)
     engine_duration_s: float = 12.0
     engine_budget_per_char: float = 6.0
@@ -93,6 +94,7 @@ SMOKE = Plan(
     decoder_ticks=3,
     backend_concurrency=(1, 2),
     backend_tokens=35,
+    eager_concurrency=(1, 2),
     engine_streams=(1, 2),
     engine_duration_s=1.0,
     engine_budget_per_char=1.0,
@@ -265,11 +267,16 @@ def build_llama(plan: Plan, device: str) -> torch.nn.Module:
 
 
 def random_backend(
-    model: torch.nn.Module, plan: Plan, device: str, max_batch_size: int, cuda_graphs: bool = False
+    model: torch.nn.Module, plan: Plan, device: str, max_batch_size: int, graphs: bool | None = None
 ) -> Any:
-    """The project's HFBackend serving the preloaded random-weight `model` (no checkpoint on disk)."""
+    """The project's HFBackend serving the preloaded random-weight `model` (no checkpoint on disk).
+
+    graphs (default: on CUDA, as the engine does): captured steps on CUDA, the same static step eagerly on CPU.
+    """
     from orpheus_tts_plugin.backends.hf import HFBackend
 
+    cuda = device.startswith("cuda")
+    graphs = cuda if graphs is None else graphs
     dtype = next(model.parameters()).dtype
     return HFBackend(
         model,
@@ -277,8 +284,30 @@ def random_backend(
         dtype=dtype,
         max_batch_size=max_batch_size,
         max_seq_len=plan.max_seq_len,
-        cuda_graphs=cuda_graphs,
+        cuda_graphs=graphs and cuda,
+        static_shapes=graphs,
     )
+
+
+def graphs_match_eager(model: torch.nn.Module, plan: Plan, device: str, prompt: tuple[int, ...]) -> dict[str, Any]:
+    """Tokens of one seeded request, 60 steps, captured (static) step vs eager step: how many lead alike.
+
+    bf16 reductions may differ between the two (the static step attends over a length bucket), so a late
+    divergence is numerics; an early one is a defect.
+    """
+    from orpheus_tts_plugin.backends.base import GenerationRequest
+    from orpheus_tts_plugin.config import SamplingParams
+
+    out: dict[str, list[int]] = {}
+    for name, graphs in (("graphs", True), ("eager", False)):
+        backend = random_backend(model, replace(plan, max_seq_len=512), device, 4, graphs)
+        backend._load()
+        req = GenerationRequest("check", prompt, SamplingParams(seed=7), 60, ())
+        row = backend._admit(req)
+        out[name] = [ids[0] for ids, _ in (backend._step([row])[0] for _ in range(60)) if ids]
+        backend.model = None
+    same = next((i for i, (a, b) in enumerate(zip(out["graphs"], out["eager"])) if a != b), len(out["eager"]))
+    return {"check": "graphs_vs_eager_tokens", "same_leading_tokens": same, "of": len(out["eager"])}
 
 
 def _time_of_token(arrivals: list[tuple[float, int]], n: int) -> float | None:
@@ -337,15 +366,15 @@ def part_backend(assets: dict[str, Any], plan: Plan, clock: Clock, device: str) 
 
     tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
     prompt = prompt_ids(tokenizer, ENGLISH, "Thanks for calling. How can I help you today?", "tara")
-    variants = {"eager": False, "graphs": True} if device.startswith("cuda") else {"eager": False}
+    variants = {"graphs": plan.backend_concurrency, "eager": plan.eager_concurrency}  # graphs: static on CPU
 
-    async def run(variant: str, graphs: bool) -> list[dict[str, Any]]:
-        backend = random_backend(assets["llama"], plan, device, max(plan.backend_concurrency), cuda_graphs=graphs)
+    async def run(variant: str, levels: tuple[int, ...]) -> list[dict[str, Any]]:
+        backend = random_backend(assets["llama"], plan, device, max(levels), graphs=variant == "graphs")
         t = time.perf_counter()
         await backend.start()  # with graphs: every (batch, length) bucket captured here
         rows: list[dict[str, Any]] = [{"variant": variant, "start_s": time.perf_counter() - t}]
         try:
-            for n in plan.backend_concurrency:
+            for n in levels:
                 if clock.left() < plan.min_left_s:
                     rows.append({"variant": variant, "concurrency": n, "skipped": "time budget"})
                     continue
@@ -356,10 +385,14 @@ def part_backend(assets: dict[str, Any], plan: Plan, clock: Clock, device: str) 
         return rows
 
     rows: list[dict[str, Any]] = []
-    for variant, graphs in variants.items():
+    try:
+        rows.append(graphs_match_eager(assets["llama"], plan, device, prompt))
+    except Exception as exc:  # noqa: BLE001 - recorded; the timings still run
+        rows.append({"check": "graphs_vs_eager_tokens", "error": f"{type(exc).__name__}: {exc}"})
+    for variant, levels in variants.items():
         try:
-            rows += asyncio.run(run(variant, graphs))
-        except Exception as exc:  # noqa: BLE001 - recorded; the eager figures stand
+            rows += asyncio.run(run(variant, levels))
+        except Exception as exc:  # noqa: BLE001 - recorded; the other variant's figures stand
             rows.append({"variant": variant, "error": f"{type(exc).__name__}: {exc}"})
     return {"prompt_tokens": len(prompt), "new_tokens": plan.backend_tokens, "rows": rows}
 
@@ -430,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.parts.split(","):
             clock.begin(budgets[name])
             t = time.monotonic()
+            print(f"[{t - clock.start:.0f} s] part {name}", flush=True)
             try:
                 result[name] = PARTS[name](assets, plan, clock, device)
             except Exception:  # noqa: BLE001 - one broken part must not lose the others' figures
@@ -438,9 +472,12 @@ def main(argv: list[str] | None = None) -> int:
             result[name]["elapsed_s"] = time.monotonic() - t
             with contextlib.suppress(Exception):
                 torch.cuda.empty_cache()
+            _print({name: result[name]})
+            if "error" in result[name]:
+                print(f"({name}) failed: {result[name]['error']}", flush=True)
+            write_json({**result, "errors": errors}, args.out)  # a run killed later keeps the parts done
     result["elapsed_s"] = time.monotonic() - clock.start
     result["errors"] = errors
-    _print(result)
     write_json(result, args.out)
     print(f"wrote {args.out} in {result['elapsed_s']:.0f} s" + (f"; {len(errors)} part(s) failed" if errors else ""))
     for e in errors:
@@ -449,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(result: dict[str, Any]) -> None:
-    """Each part's table (the engine's in `bench engine`'s columns)."""
+    """The table of each part in `result` (the engine's in `bench engine`'s columns)."""
     from orpheus_tts_plugin.tools.bench.figures import COLUMNS
 
     for name in PARTS:

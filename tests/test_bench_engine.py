@@ -205,9 +205,16 @@ def test_gpu_script_smoke_mode(tmp_path: Path, test_model_dir: Path) -> None:
     # Eager only: compiling on CPU takes minutes; tests/test_decoder.py checks the compiled step decodes as eager.
     assert result["decoder"]["modes"] == ["eager"]
     assert all(r["eager_x_rt"] > 0 and r["reference_eager_x_rt"] > 0 for r in rows)
-    backend = [r for r in result["backend"]["rows"] if "concurrency" in r]
-    assert [r["variant"] for r in result["backend"]["rows"]][0] == "eager"
-    assert [r["concurrency"] for r in backend] == [1, 2] and all(r["completed"] == r["concurrency"] for r in backend)
+    check, *timed = result["backend"]["rows"]
+    assert check["same_leading_tokens"] == check["of"] == 60  # the static step (what CUDA captures) vs eager
+    backend = [r for r in timed if "concurrency" in r]
+    assert [(r["variant"], r["concurrency"]) for r in backend] == [
+        ("graphs", 1),
+        ("graphs", 2),
+        ("eager", 1),
+        ("eager", 2),
+    ]
+    assert all(r["completed"] == r["concurrency"] for r in backend)
     assert all(r["tokens28_p50_ms"] > 0 for r in backend)
     assert [p["concurrency"] for p in result["engine"]["points"]] == [1.0, 2.0]
     assert "constant" in result["engine"]["capacity"]

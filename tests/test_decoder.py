@@ -234,3 +234,9 @@ def test_compiled_decoders_made_later_in_the_process_compile_every_bucket_too(
     compiled = counters["frames"]["ok"] - before.get("ok", 0)
     assert compiled == counters["frames"]["total"] - before.get("total", 0)
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+
+
+def test_cuda_graphs_without_compile_is_refused_in_one_line() -> None:
+    """The eager step copies host indices to the device, which a CUDA graph capture refuses (seen on an H200)."""
+    with pytest.raises(ValueError, match="cuda_graphs needs compile=True"):
+        StreamingDecoder(None, cuda_graphs=True)

@@ -372,3 +372,46 @@ def test_the_captured_step_never_reads_device_data_on_the_host(orpheus_dir: str)
     with RecordOps() as ops:
         backend._step(rows)
     assert not [n for n in ops.names if n.split(".")[0] in HOST_READS]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_paused_row_resumes_with_the_tokens_it_would_have_had(orpheus_dir: str, variant: str) -> None:
+    """A live row left out of steps (the engine pauses a stream whose audio is unread) keeps its cache and
+    penalty state: padding rows of a static bucket must not write into a live slot."""
+
+    def run(pause: range) -> list[list[int]]:
+        backend = HFBackend(orpheus_dir, max_batch_size=4, max_seq_len=64, **VARIANTS[variant])
+        backend._load()
+        sampling = [SamplingParams(seed=n, top_p=0.9, repetition_penalty=1.3) for n in (1, 2)]
+        rows = [backend._admit(request(prompt(4, n), s, max_new=40, constrain=True)) for n, s in enumerate(sampling)]
+        got: list[list[int]] = [[], []]
+        for step in range(16):
+            live = [1] if step in pause else [0, 1]
+            for i, (ids, _) in zip(live, backend._step([rows[i] for i in live])):
+                got[i] += ids
+        return got
+
+    steady, paused = run(range(0)), run(range(3, 8))
+    assert paused[0] == steady[0][: len(paused[0])] and len(paused[0]) == 11
+    assert paused[1] == steady[1]
+
+
+@pytest.mark.parametrize(
+    ("device", "options", "graphs"),
+    [
+        ("cuda", {}, True),
+        ("cpu", {}, False),
+        ("cuda", {"sampler": "reference"}, False),
+        ("cuda", {"cuda_graphs": False}, False),
+    ],
+)
+def test_the_engine_captures_hf_steps_on_cuda_by_default(
+    orpheus_dir: str, device: str, options: dict[str, Any], graphs: bool
+) -> None:
+    """On CUDA the eager step is launch-bound (H200: 50 ms a step, a quarter of real time): graphs by default."""
+    from orpheus_tts_plugin.backends import make_backend
+    from orpheus_tts_plugin.config import EngineConfig
+
+    config = EngineConfig(model=orpheus_dir, backend_options=tuple(options.items()))
+    backend = make_backend(config, SPEC, device)  # nothing is loaded until start(): no GPU needed here
+    assert isinstance(backend, HFBackend) and backend.cuda_graphs is graphs

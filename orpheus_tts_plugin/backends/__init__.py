@@ -32,7 +32,10 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
     if name == "hf":
         from .hf import HFBackend
 
-        options.setdefault("cuda_graphs", config.compile and device.startswith("cuda"))  # captured decode steps
+        # On CUDA the eager step is bound by its ~1,000 kernel launches (H200: 50 ms a step at 1-64 rows, a
+        # quarter of real time); its captured graphs take 4.8-6.2 ms (docs/benchmarks.md).
+        fast = options.get("sampler", "fast") == "fast"
+        options.setdefault("cuda_graphs", fast and device.startswith("cuda"))
         return HFBackend(
             config.model,
             device=device,

@@ -14,7 +14,8 @@ sorting; one host sync per step (the chosen ids). `sampler="reference"` keeps th
 Static shapes (`static_shapes=True`, implied by `cuda_graphs=True`): the decode step runs over the cache
 window [0, bucket) with the bucket a power of two, padding rows inactive, attention over the whole cache
 length and no data-dependent branch, so that on CUDA each bucket is captured once as a CUDA graph and
-replayed. Padding never changes a row's tokens (tested on CPU; the CUDA capture itself is NOT RUN HERE).
+replayed (on CUDA by default: the eager step is launch-bound there). Padding never changes a row's tokens, nor a
+paused row's state (tested on CPU); captured on an H200, 4.8-6.2 ms a step at 1-64 rows (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -393,9 +394,14 @@ class HFBackend(SteppedBackend):
             ids = self._static_step(host.to(self.device), length).tolist()
         return [ids[r.slot] for r in rows]
 
+    def _padding_meta(self) -> list[int]:
+        """Step input of a padding row: it writes its key and value at the last cache position, which no live
+        row ever reaches (a row ends at pos + 1 == max_seq_len), as its slot may hold a paused live row."""
+        return [self.max_seq_len - 1, self.spec.pad, 0, 0]
+
     def _static_meta(self, rows: list[_Row]) -> tuple[int, torch.Tensor]:
         """The rows' length bucket, and the step input of their batch bucket: pos, last id, count, active per row."""
-        meta = [[0, self.spec.pad, 0, 0]] * self._bucket(rows[-1].slot + 1)
+        meta = [self._padding_meta()] * self._bucket(rows[-1].slot + 1)
         for r in rows:
             meta[r.slot] = [r.pos, r.last, r.generated, 1]
         return self._length_bucket(max(r.pos for r in rows) + 1), torch.tensor(meta)
@@ -411,15 +417,16 @@ class HFBackend(SteppedBackend):
         phase = count % TOKENS_PER_FRAME
         logits = self.phase_logits(hidden, phase, masked=False)
         col = self._choose(logits, self.audio_seen[slots, phase], slots, count, self.eos_bias[phase])
-        self.audio_seen[slots, phase, col] = active.to(self.audio_seen.dtype)  # padding rows: free slots, reset later
+        seen = self.audio_seen[slots, phase, col]
+        self.audio_seen[slots, phase, col] = torch.maximum(seen, active.to(seen.dtype))  # padding rows: unchanged
         return self.col_ids[phase, col]
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        """One CUDA graph of `_static_step` per (batch, length) bucket, largest first, one memory pool. NOT RUN HERE."""
+        """One CUDA graph of `_static_step` per (batch, length) bucket, largest first, one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         for bucket in sorted(self.buckets, reverse=True):
-            static_in = torch.tensor([[0, self.spec.pad, 0, 0]] * bucket, device=self.device)  # all inactive
+            static_in = torch.tensor([self._padding_meta()] * bucket, device=self.device)  # all inactive
             for length in sorted(self.length_buckets, reverse=True):
                 warm = torch.cuda.Stream(self.device)
                 warm.wait_stream(torch.cuda.current_stream(self.device))

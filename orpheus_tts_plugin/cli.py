@@ -116,6 +116,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     lay.add_argument("--rows", type=_ints, default=(1, 8), help="rows (streams) per call, e.g. 1,8")
     lay.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     lay.add_argument("--calls", type=int, default=20, help="timed calls per layer")
+    lay.add_argument("--unpacked", action="store_true", help="every product through torch.mm (as compiled; before)")
     lay.add_argument("--json", default=None)
     lay.set_defaults(**_handler("tools.bench.layers:main"))
     back = what.add_parser("backend", help="tokens/s of a backend's decode step by batch size, old vs new sampler")

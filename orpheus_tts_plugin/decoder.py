@@ -149,7 +149,7 @@ class StreamingDecoder:
         self.first_chunk_frames = first_chunk_frames
         self.ahead_chunk_frames = first_chunk_frames  # a chunk length with its own buckets already
         self.snac = snac
-        self.layers: list[Layer] = [] if snac is None else build_layers(snac)
+        self.layers: list[Layer] = [] if snac is None else build_layers(snac, packed=not compile)
         self.latency_samples = self.layers[-1].out_delay if self.layers else SNAC24_LATENCY
         self.flush_frames = math.ceil(self.latency_samples / SAMPLES_PER_FRAME)
         self.warmup_frames = max(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .gemm import FixedWeight
 from .snac import LATENT_PER_FRAME, PositionalNoise
 
 
@@ -48,7 +49,7 @@ class Step:
         return window
 
 
-def channel_mix(weight: Tensor, x: Tensor) -> Tensor:
+def channel_mix(weight: FixedWeight, x: Tensor) -> Tensor:
     """A kernel-1 convolution: weight (out, in) applied to x (B, in, L), as the faster of two GEMM layouts.
 
     A large weight on short inputs (SNAC's first 768 → 1024 at 4 samples a frame) runs as one GEMM over all
@@ -56,10 +57,12 @@ def channel_mix(weight: Tensor, x: Tensor) -> Tensor:
     at 8 rows). Otherwise the per-row products are as fast and spare the two transposes.
     """
     b, c_in, n = x.shape
-    c_out = weight.shape[0]
-    if b == 1 or c_out * c_in < 32 * (c_in + c_out) * n:
-        return torch.matmul(weight, x)
-    return torch.mm(weight, x.transpose(0, 1).reshape(c_in, b * n)).view(c_out, b, n).transpose(0, 1)
+    c_out = weight.out_features
+    if b == 1:
+        return weight(x[0]).unsqueeze(0) if weight.uses_packed(n) else torch.matmul(weight.weight, x)
+    if c_out * c_in < 32 * (c_in + c_out) * n:
+        return torch.matmul(weight.weight, x)
+    return weight(x.transpose(0, 1).reshape(c_in, b * n)).view(c_out, b, n).transpose(0, 1)
 
 
 def _snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor) -> Tensor:
@@ -104,14 +107,15 @@ class _Snake(Layer):
 class _Pointwise(Layer):
     """A kernel-1 convolution: no context, no state."""
 
-    def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int):
-        self.matrix = conv.weight.detach()[:, :, 0].contiguous()  # (out, in)
+    def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int, packed: bool):
+        self.gemm = FixedWeight(conv.weight.detach()[:, :, 0], packed=packed)  # (out, in)
+        self.matrix = self.gemm.weight
         self.bias = None if conv.bias is None else conv.bias.detach().clone().view(1, -1, 1)
         self.in_channels = conv.in_channels
         self.per_frame, self.delay = per_frame, delay
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:
-        y = channel_mix(self.matrix, x)
+        y = channel_mix(self.gemm, x)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -167,14 +171,15 @@ class _ConvTranspose(Layer):
     (131–141 ms a call for the first layer on an AMD EPYC, 24× its matmul; docs/benchmarks.md).
     """
 
-    def __init__(self, conv: nn.ConvTranspose1d, per_frame: int, delay: int):
+    def __init__(self, conv: nn.ConvTranspose1d, per_frame: int, delay: int, packed: bool):
         self.stride, self.pad = conv.stride[0], conv.padding[0]
         if conv.kernel_size[0] != 2 * self.stride or conv.output_padding[0] != 0 or conv.groups != 1:
             raise ValueError("streaming needs kernel 2·stride, even stride, no groups")
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
         weight = conv.weight.detach()  # (in, out, 2·stride)
         # (out · 2·stride, in): row o·2s + k is output channel o at kernel tap k.
-        self.matrix = weight.reshape(self.in_channels, -1).t().contiguous()
+        self.gemm = FixedWeight(weight.reshape(self.in_channels, -1).t().contiguous(), packed=packed)
+        self.matrix = self.gemm.weight
         bias = torch.zeros(self.out_channels) if conv.bias is None else conv.bias.detach()
         self.bias = bias.to(weight).clone().view(1, -1, 1)
         self.per_frame, self.delay = per_frame, delay
@@ -195,31 +200,32 @@ class _ConvTranspose(Layer):
         b, n, s = x.shape[0], x.shape[-1], self.stride
         window = step.extend(x, 1)  # (B, in, n + 1)
         columns = window.transpose(0, 1).reshape(self.in_channels, b * (n + 1))
-        taps = torch.mm(self.matrix, columns).view(self.out_channels, 2 * s, b, n + 1)
+        taps = self.gemm(columns).view(self.out_channels, 2 * s, b, n + 1)
         blocks = taps[:, :s, :, 1:] + taps[:, s:, :, :-1]  # (out, s, B, n): output block j of each row
         return blocks.permute(2, 0, 3, 1).reshape(b, self.out_channels, n * s).add_(self.bias)
 
 
 class _Noise(Layer):
-    def __init__(self, noise: PositionalNoise, per_frame: int, delay: int):
+    def __init__(self, noise: PositionalNoise, per_frame: int, delay: int, packed: bool):
         self.noise = noise
-        self.matrix = noise.linear.weight.detach()[:, :, 0].contiguous()  # (out, in)
+        self.gemm = FixedWeight(noise.linear.weight.detach()[:, :, 0], packed=packed)  # (out, in)
+        self.matrix = self.gemm.weight
         self.in_channels = self.matrix.shape[1]
         self.per_frame, self.delay = per_frame, delay
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:
         pos = step.positions(self.per_frame, self.delay, x.shape[-1])
-        return channel_mix(self.matrix, x).mul_(self.noise.noise(pos).unsqueeze(1)).add_(x)
+        return channel_mix(self.gemm, x).mul_(self.noise.noise(pos).unsqueeze(1)).add_(x)
 
 
 class _Residual(Layer):
     """x + block(x), the skip path delayed by the block's look-ahead."""
 
-    def __init__(self, unit: nn.Module, per_frame: int, delay: int):
+    def __init__(self, unit: nn.Module, per_frame: int, delay: int, packed: bool):
         snake1, conv, snake2, pointwise = unit.block
         self.layers: list[Layer] = [_Snake(snake1, per_frame, delay), _Conv(conv, per_frame, delay)]
         inner_delay = self.layers[1].out_delay
-        self.layers += [_Snake(snake2, per_frame, inner_delay), _Pointwise(pointwise, per_frame, inner_delay)]
+        self.layers += [_Snake(snake2, per_frame, inner_delay), _Pointwise(pointwise, per_frame, inner_delay, packed)]
         self.lag = inner_delay - delay
         self.in_channels = conv.in_channels
         self.per_frame, self.delay = per_frame, delay
@@ -239,8 +245,12 @@ class _Residual(Layer):
         return y.add_(skip[..., : x.shape[-1]])
 
 
-def build_layers(snac: nn.Module) -> list[Layer]:
-    """Streaming layers mirroring snac.decoder.model, with copies of its weights."""
+def build_layers(snac: nn.Module, packed: bool = True) -> list[Layer]:
+    """Streaming layers mirroring snac.decoder.model, with copies of its weights.
+
+    `packed`: large products at few columns run on a oneDNN-packed weight (`gemm.FixedWeight`); False (a
+    compiled step) always `torch.mm`.
+    """
     from snac.layers import DecoderBlock, ResidualUnit, Snake1d
 
     layers: list[Layer] = []
@@ -257,17 +267,21 @@ def build_layers(snac: nn.Module) -> list[Layer]:
                 if isinstance(sub, Snake1d):
                     add(_Snake(sub, per_frame, delay))
                 elif isinstance(sub, nn.ConvTranspose1d):
-                    add(_ConvTranspose(sub, per_frame, delay))
+                    add(_ConvTranspose(sub, per_frame, delay, packed))
                 elif isinstance(sub, PositionalNoise):
-                    add(_Noise(sub, per_frame, delay))
+                    add(_Noise(sub, per_frame, delay, packed))
                 elif isinstance(sub, ResidualUnit):
-                    add(_Residual(sub, per_frame, delay))
+                    add(_Residual(sub, per_frame, delay, packed))
                 else:
                     raise ValueError(f"unexpected SNAC decoder block layer {type(sub).__name__}")
         elif isinstance(module, Snake1d):
             add(_Snake(module, per_frame, delay))
         elif isinstance(module, nn.Conv1d):
-            add(_Pointwise(module, per_frame, delay) if module.kernel_size[0] == 1 else _Conv(module, per_frame, delay))
+            add(
+                _Pointwise(module, per_frame, delay, packed)
+                if module.kernel_size[0] == 1
+                else _Conv(module, per_frame, delay)
+            )
         elif isinstance(module, nn.Tanh):
             continue  # applied by the decoder's step, after the last layer
         else:

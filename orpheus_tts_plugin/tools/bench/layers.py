@@ -102,6 +102,24 @@ def gemm_call(shape: tuple[int, int, int]) -> Callable[[], Any]:
     return lambda: torch.mm(a, b)
 
 
+def best_gemm_ms(shape: tuple[int, int, int], calls: int) -> tuple[str, float]:
+    """The fastest this host runs the product (M, K) @ (K, N): `torch.mm`, or oneDNN on a packed weight, so a
+    BLAS that falls off at a shape (MKL at few columns on an AMD EPYC) does not hide a layer's cliff."""
+    import torch
+
+    from ...gemm import onednn_pack
+
+    m, k, n = shape
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    best = ("mm", median_ms(lambda: torch.mm(a, b), calls))
+    packed = onednn_pack(a)
+    if packed is not None:
+        bt = b.t().contiguous()
+        ms = median_ms(lambda: torch.ops.mkldnn._linear_pointwise(bt, packed, None, "none", [], ""), calls)
+        best = min(best, ("packed", ms), key=lambda x: x[1])
+    return best
+
+
 def replaced_call(layer: Any, rows: int) -> Callable[[], Any] | None:
     """The `F.conv*` call a layer ran before it took a GEMM formulation (docs/benchmarks.md), or None."""
     import torch
@@ -124,22 +142,26 @@ def replaced_call(layer: Any, rows: int) -> Callable[[], Any] | None:
     return None
 
 
-def profile(snac: Any, rows: int = 1, calls: int = 20, reference: bool = True) -> list[dict[str, Any]]:
-    """Per layer at its steady shape: ms per call, its equivalent's ms, and their ratio (CLIFF_RATIO: a cliff)."""
-    from ...decoder import StreamingDecoder
-    from ...layers import _Conv
+def profile(
+    snac: Any, rows: int = 1, calls: int = 20, reference: bool = True, packed: bool = True
+) -> list[dict[str, Any]]:
+    """Per layer at its steady shape: ms per call, its equivalent's ms, and their ratio (CLIFF_RATIO: a cliff).
 
-    decoder = StreamingDecoder(snac, max_streams=rows)
+    packed=False: the layers as a compiled step runs them, every product through `torch.mm` (before/after).
+    """
+    from ...layers import _Conv, build_layers
+
+    layers = build_layers(snac, packed=packed)
     tiny_op = median_ms(gemm_call((1, 1, 1)), max(calls, 50))
     out = []
-    for name, layer in flat_layers(decoder.layers):
+    for name, layer in flat_layers(layers):
         call, shape = layer_call(layer, rows)
         ms = median_ms(call, calls)
         row: dict[str, Any] = {"layer": name, "kind": type(layer).__name__.lstrip("_"), "input": shape, "ms": ms}
         gemm = gemm_shape(layer, rows, layer.per_frame)
         if gemm is not None:
-            row["equivalent"] = "mm " + "x".join(map(str, gemm))
-            row["equivalent_ms"] = median_ms(gemm_call(gemm), calls)
+            way, row["equivalent_ms"] = best_gemm_ms(gemm, calls)
+            row["equivalent"] = f"{way} " + "x".join(map(str, gemm))
         elif isinstance(layer, _Conv):
             row["equivalent"] = f"{layer.weight.shape[-1]} shifted MACs"
             row["equivalent_ms"] = median_ms(shifted_mac_call(layer, rows), calls)
@@ -175,9 +197,10 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     snac = load_snac(args.snac, "cpu")
     result: dict[str, Any] = {"bench": "layers", "meta": run_metadata(), "threads": args.threads, "rows": {}}
+    result["packed"] = not args.unpacked
     for rows in args.rows:
         print(f"{rows} row(s), one steady frame each ...", flush=True)
-        table = profile(snac, rows, args.calls)
+        table = profile(snac, rows, args.calls, packed=not args.unpacked)
         print_rows(table, COLUMNS)
         total = sum(r["ms"] for r in table)
         print(

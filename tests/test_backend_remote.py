@@ -392,3 +392,79 @@ def test_custom_token_text_becomes_ids_even_when_split_across_chunks() -> None:
     assert p.feed("<notatoken>") == [SPEC.pad]
     assert p.feed("<custom_token_12") == [] and p.flush() == [SPEC.pad]  # never completed
     assert p.feed("<custom_token_x>") == [SPEC.pad]
+
+
+async def pacing_server(period_s: float):
+    """vLLM's stream format, one audio id every `period_s` in the frame position after `orpheus_audio_offset`, until
+    `max_tokens`; records each streaming body and each request the client left before its end."""
+    from aiohttp import web
+
+    bodies: list[dict] = []
+    left: list[str] = []
+
+    async def completions(http_request: web.Request) -> web.StreamResponse:
+        body = await http_request.json()
+        if not body.get("stream"):  # the probe: a server with the processor
+            ids = [k * 4096 + 9 for k in range(body["max_tokens"])]
+            return web.json_response({"choices": [{"index": 0, "token_ids": ids, "finish_reason": "length"}]})
+        bodies.append(body)
+        offset = body["vllm_xargs"].get("orpheus_audio_offset", 0)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(http_request)
+        try:
+            for i in range(body["max_tokens"]):
+                await asyncio.sleep(period_s)
+                last = i == body["max_tokens"] - 1
+                choice = {
+                    "token_ids": [SPEC.audio_token((offset + i) % 7, i)],
+                    "finish_reason": "length" if last else None,
+                }
+                await resp.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            left.append(body["prompt"][-1])
+            raise
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}", bodies, left
+
+
+@pytest.mark.parametrize("period_s", [0.0, 0.02], ids=["fast", "paced"])
+async def test_a_paused_stream_leaves_the_server_and_resumes_as_one_request(period_s: float) -> None:
+    """pause(True) ends the request on the server (its row freed); pause(False): the next read sends prompt + every
+    id delivered, the rest of the budget, the constraint at the next frame position; no id lost or repeated."""
+    runner, url, bodies, left = await pacing_server(period_s)
+    backend = RemoteBackend(url, model="orpheus", dialect="vllm")
+    try:
+        await backend.start()
+        assert backend.audio_constraint == "position"
+        req = GenerationRequest("s", (7, 8, 9), SamplingParams(seed=5), 30, (SPEC.end_of_speech,))
+        stream = backend.generate(req)
+        got = [*await stream.__anext__(), *await stream.__anext__(), *await stream.__anext__()]
+        stream.pause(True)
+        deadline = time.monotonic() + 5
+        while period_s and not left and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert left or not period_s, "the server never saw the request leave"  # fast: it may have sent all 30
+        assert backend.stats()["paused_requests"] == 1
+        stream.pause(False)
+        async for ids in stream:
+            got += ids
+        assert stream.finish_reason == FinishReason.LENGTH and len(got) == 30
+        assert [(i - SPEC.first_audio_token) // 4096 for i in got] == [k % 7 for k in range(30)]  # positions in turn
+        first, second = bodies
+        assert second["prompt"] == [7, 8, 9, *got[:3]] and second["max_tokens"] == 27
+        assert second["vllm_xargs"]["orpheus_audio_offset"] == 3 and "orpheus_audio_offset" not in first["vllm_xargs"]
+        assert second["seed"] != first["seed"] == 5
+        stats = backend.stats()
+        assert stats["requests"] == 1 and stats["pauses"] == stats["resumes"] == 1 and stats["paused_requests"] == 0
+        await stream.aclose()
+    finally:
+        await backend.close()
+        await runner.cleanup()

@@ -125,3 +125,27 @@ async def test_closing_the_stream_aborts_the_server_request_as_its_metrics_show(
     assert success == {k: v for k, v in before.items() if k.startswith("vllm:request_success_total")}
     assert backend.stats()["aborted"] == 1 and backend.stats()["live_requests"] == 0
     await backend.close()
+
+
+async def test_a_paused_stream_leaves_the_server_and_its_continuation_keeps_the_frame_positions(server) -> None:
+    """Backpressure through a remote vLLM: pause(True) ends the request there (running back to 0), pause(False)
+    sends prompt + ids so far with `orpheus_audio_offset`; every id of both parts in its frame position."""
+    url = _url(server)
+    backend = RemoteBackend(url, dialect="vllm")
+    await backend.start()
+    stream = backend.generate(request("paused", 400, temperature=1.0))
+    got: list[int] = []
+    while len(got) < 10:  # 10 ids: the continuation starts at frame position 3
+        got += await asyncio.wait_for(stream.__anext__(), GUARD_S)
+    stream.pause(True)
+    await asyncio.wait_for(running(url, 0), GUARD_S)
+    assert backend.stats()["paused_requests"] == 1
+    stream.pause(False)
+    async for ids in stream:
+        got += ids
+    assert stream.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert len(got) == 400 or stream.finish_reason == FinishReason.STOP
+    assert invalid_positions(got) == 0
+    stats = backend.stats()
+    assert stats["requests"] == 1 and stats["pauses"] == stats["resumes"] == 1 and stats["live_requests"] == 0
+    await backend.close()

@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the remote backend needs aiohttp: pip install 'orpheus-tts-plugin[remote]'") from exc
 
 from ..spec import CODEBOOK_SIZE, ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop
+from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop, continuation
 
 # How each server family wants a completion request: prompt as ids or text, and which non-OpenAI fields it takes
 # (trtllm-serve and transformers serve reject unknown fields, so each dialect sends only what its server knows).
@@ -35,6 +35,7 @@ _CUSTOM = re.compile(r"<custom_token_(\d+)>")
 _CUSTOM_PREFIX = "<custom_token_"
 # `vllm_xargs` keys of OrpheusAudioLogitsProcessor (backends/vllm_logits.py, not imported here: it needs vLLM).
 _XARG_ON, _XARG_FIRST, _XARG_EOS = "orpheus_audio", "orpheus_first_audio_token", "orpheus_end_of_speech"
+_XARG_OFFSET = "orpheus_audio_offset"  # vllm_logits.OFFSET_ARG: ids generated before a continuation
 _PROBE_TOKENS = 7  # one frame: chance that an unconstrained model obeys the probe's ranges ~ (4096 / vocab) ** 7
 
 
@@ -133,7 +134,7 @@ class RemoteBackend:
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._allowed_json = json.dumps(spec.audio_ids)
-        self._requests = RequestCounts("retries")
+        self._requests = RequestCounts("retries", pausable=True)
 
     async def start(self) -> None:
         if self._session is not None:
@@ -208,8 +209,9 @@ class RemoteBackend:
             await asyncio.sleep(self.retry_backoff_s * 2**attempt)
         raise BackendError(f"cannot list models at {self.url}/v1/models: {err}")
 
-    def request_body(self, req: GenerationRequest) -> str:
-        """The JSON body of one streaming completion request in this backend's dialect."""
+    def request_body(self, req: GenerationRequest, audio_offset: int = 0) -> str:
+        """The JSON body of one streaming completion request in this backend's dialect (`audio_offset`: ids
+        its stream generated before it, a continuation after a pause, so the constraint goes on in frame)."""
         s = req.sampling
         stop = list(self.spec.stop_ids(req.stop_ids))
         body: dict[str, Any] = {
@@ -248,6 +250,8 @@ class RemoteBackend:
                 _XARG_FIRST: self.spec.first_audio_token,
                 _XARG_EOS: self.spec.end_of_speech,
             }
+            if audio_offset:
+                body["vllm_xargs"][_XARG_OFFSET] = audio_offset
         body.update(self.extra_body)
         text = json.dumps(body)
         if constraint == "allowed_ids":
@@ -269,7 +273,14 @@ class RemoteBackend:
 
 
 class RemoteStream:
-    """New ids of one remote request, one SSE event at a time; `aclose()` closes the HTTP response."""
+    """New ids of one remote request, one SSE event at a time; `aclose()` closes the HTTP response.
+
+    Pausing (the engine's reader is behind): a completions server has no per-request pause, so `pause(True)`
+    closes the response, which aborts the request there (its row and KV blocks freed), and after `pause(False)`
+    the next read sends its `continuation`: prompt + every id delivered, the rest of the budget, the audio
+    constraint going on at the next frame position, request id `{id}~{n}`. The reader sees one request. Call
+    `pause` between reads (the engine does: from the task that reads).
+    """
 
     def __init__(
         self, session: aiohttp.ClientSession, backend: RemoteBackend, req: GenerationRequest, counts: RequestCounts
@@ -284,11 +295,36 @@ class RemoteStream:
         self._text = CustomTokenText(backend.spec.custom_token_base, backend.spec.pad)
         self._ended = False  # no more ids: finish seen, failed or closed
         self._drain_pending = False
+        self.attempt = req  # the request sent (or to send): `req` or its latest continuation
+        self._sent: list[int] = []  # every id delivered, over every attempt: a continuation's prompt tail
+        self._paused = False
+        self._resumes = 0
+
+    def pause(self, paused: bool) -> None:
+        """Stop (True) or resume (False) generating, as the class docstring says; nothing once ended or unchanged."""
+        if self._ended or paused == self._paused:
+            return
+        self._paused = paused
+        if not paused:
+            self._counts.resume()
+            if len(self._sent) >= self.req.max_new_tokens:  # the budget ran out just as the pause came
+                self._end(FinishReason.LENGTH)
+                return
+            self._resumes += 1
+            self.attempt = continuation(self.req, self._sent, self._resumes)
+            self._text = CustomTokenText(self._backend.spec.custom_token_base, self._backend.spec.pad)
+            return
+        self._counts.pause()
+        if self._resp is not None:
+            self._resp.close()  # the server sees the disconnect and aborts the request
+            self._resp = None
 
     def __aiter__(self) -> RemoteStream:
         return self
 
     async def __anext__(self) -> list[int]:
+        if self._paused:
+            raise BackendError("remote backend: read while paused")
         if self._resp is None and not self._ended:
             await self._open()
         while not self._ended:
@@ -314,6 +350,7 @@ class RemoteStream:
             ids = [i for i in ids if i not in self._stop]
             if ids:
                 self._counts.add_tokens(len(ids))
+                self._sent += ids
                 return ids
         if self._drain_pending:
             self._drain_pending = False
@@ -323,7 +360,7 @@ class RemoteStream:
     async def aclose(self) -> None:
         """Close the HTTP response: a server still generating sees the disconnect and aborts the request."""
         if not self._ended:
-            self._end(FinishReason.ABORTED)
+            self._end(FinishReason.ABORTED, paused=self._paused)
         if self._resp is not None and (self._drain_pending or self.finish_reason == FinishReason.ABORTED):
             self._resp.close()  # aborted, or finished with the body's tail unread: the connection is not reused
         self._drain_pending = False
@@ -331,7 +368,7 @@ class RemoteStream:
     async def _open(self) -> None:
         """POST the request; connection failures before any response are retried with exponential backoff."""
         b = self._backend
-        body = b.request_body(self.req)
+        body = b.request_body(self.attempt, audio_offset=len(self._sent))
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         err: BaseException | None = None
         for attempt in range(b.connect_retries + 1):
@@ -356,7 +393,7 @@ class RemoteStream:
             err = BackendError(f"HTTP {resp.status} from {b.endpoint}: {detail}")
             if resp.status not in _RETRY_STATUS:
                 break
-        self._fail(f"request {self.req.request_id} to {b.endpoint} failed after {attempt + 1} attempt(s): {err}")
+        self._fail(f"request {self.attempt.request_id} to {b.endpoint} failed after {attempt + 1} attempt(s): {err}")
 
     async def _next_event(self) -> dict[str, Any] | None:
         """The next SSE `data:` payload as JSON; None at the end of the stream (EOF or `[DONE]`)."""
@@ -389,10 +426,10 @@ class RemoteStream:
         else:
             self._resp.release()
 
-    def _end(self, reason: str) -> None:
+    def _end(self, reason: str, paused: bool = False) -> None:
         self._ended = True
         self.finish_reason = reason
-        self._counts.ended(reason)
+        self._counts.ended(reason, paused=paused)
 
     def _fail(self, message: str) -> None:
         if not self._ended:

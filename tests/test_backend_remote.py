@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -280,13 +281,21 @@ async def replay_server(obeys_xargs: bool):
         await resp.write(b'data: {"choices": [], "usage": {"completion_tokens": 8}}\n\ndata: [DONE]\n\n')
         return resp
 
+    runner, url = await completions_server(completions)
+    return runner, url, bodies, audio
+
+
+async def completions_server(handler: Any) -> tuple[Any, str]:
+    """An aiohttp server on a free loopback port answering POST /v1/completions with `handler`; (runner, URL)."""
+    from aiohttp import web
+
     app = web.Application()
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/completions", handler)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}", bodies, audio
+    return runner, f"http://127.0.0.1:{port}"
 
 
 async def test_vllm_token_id_stream_with_allowed_ids_where_the_server_lacks_the_processor() -> None:
@@ -426,13 +435,8 @@ async def pacing_server(period_s: float):
             raise
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}", bodies, left
+    runner, url = await completions_server(completions)
+    return runner, url, bodies, left
 
 
 @pytest.mark.parametrize("period_s", [0.0, 0.02], ids=["fast", "paced"])

@@ -105,6 +105,10 @@ def served_ids(token_ids: list[int], stop: set[int]) -> list[int]:
     return out
 
 
+def unpadded(ids: list[int]) -> list[int]:
+    return [i for i in ids if i != SPEC.pad]
+
+
 # ---- against the real server ----
 
 
@@ -144,7 +148,9 @@ async def test_stop_id_ends_the_stream_and_is_not_delivered(server, tokenizer) -
     stop_id = next(i for i in greedy if i >= BASE and i != SPEC.pad)
     stream = backend.generate(request(tokenizer, "s", 8, temperature=0.0, stop=(SPEC.end_of_speech, stop_id)))
     got = [i for ids in await collect(stream) for i in ids]
-    assert got == greedy[: greedy.index(stop_id)]
+    # Text that is not a custom token becomes one pad per streamed fragment, and the server's fragments differ
+    # from run to run: compare the custom tokens, which do not.
+    assert unpadded(got) == unpadded(greedy[: greedy.index(stop_id)])
     assert stream.finish_reason == FinishReason.STOP
     await backend.close()
 

@@ -29,7 +29,7 @@ def onednn_pack(weight: Tensor) -> Tensor | None:
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         probe = torch.randn(3, weight.shape[1], dtype=weight.dtype)
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        got = packed_product(probe, packed)
     except (AttributeError, RuntimeError, NotImplementedError):  # an op renamed or missing in this torch build
         return None
     want = probe @ weight.t()
@@ -59,5 +59,9 @@ class FixedWeight:
         """The product (out, N), contiguous."""
         if not self.uses_packed(x.shape[1]):
             return torch.mm(self.weight, x)
-        y = torch.ops.mkldnn._linear_pointwise(x.t().contiguous(), self.packed, None, "none", [], "")
-        return y.t().contiguous()
+        return packed_product(x.t().contiguous(), self.packed).t().contiguous()
+
+
+def packed_product(rows: Tensor, packed: Tensor) -> Tensor:
+    """rows (N, in) @ weight.T with the weight as `onednn_pack` returned it."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")

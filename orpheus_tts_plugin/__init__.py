@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from .config import EngineConfig, SamplingOverrides, SamplingParams, SyntheticConfig
-from .engine import AudioChunk, OrpheusEngine
+from .engine import OrpheusEngine
 from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
+from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 
 __all__ = [
     "AudioChunk",
@@ -21,6 +22,9 @@ __all__ = [
     "RemoteEngine",
     "SamplingOverrides",
     "SamplingParams",
+    "Speech",
+    "SpeechEngine",
+    "SpeechOptions",
     "SyntheticConfig",
 ]
 

@@ -1,9 +1,9 @@
-"""The process-wide Orpheus engine: admission, per-stream state, the decoder thread, cancellation, delivery.
+"""The process-wide Orpheus engine: admission, per-stream state, generation, cancellation.
 
-Threads: the engine runs its own event loop in one thread (it drives the backend's token streams
-and parses frames), decoding runs in one decoder thread, and audio reaches each caller's event loop
-through one `call_soon_threadsafe` per loop per decoder tick. So one engine serves callers on any
-number of event loops in any number of threads at once.
+Threads: the engine runs its own event loop in one thread (`LoopThread`; it drives the backend's token
+streams and parses frames), decoding runs in the decoder thread (`decode_worker`), and audio reaches each
+caller's event loop through one `call_soon_threadsafe` per loop per decoder tick. So one engine serves
+callers on any number of event loops in any number of threads at once.
 
 Failure model: a fault ends only the streams it concerns, each with an `EngineError` within one tick;
 if an engine thread dies anyway, the engine marks itself failed and every open and new stream gets an
@@ -17,375 +17,34 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import math
 import threading
-import time
-import uuid
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
-
-import numpy as np
+from collections.abc import AsyncGenerator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from .backends.base import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
 from .codes import FrameParser
-from .config import EngineConfig, SamplingOverrides, SamplingParams
+from .config import EngineConfig, SamplingOverrides
+from .decode_worker import CallerStream, DecodeWorker, Utterance
 from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
-from .mailbox import Mailbox
+from .loop_thread import LoopThread, SharedInstances, post
+from .progress import progress
 from .prompt import prompt_ids, token_budget
-from .spec import SAMPLE_RATE, ModelSpec, spec_for
+from .spec import ModelSpec, spec_for
 from .text import split_sentences
+from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 
 if TYPE_CHECKING:
-    from .decoder import DecodeState, FrameDecoder
+    from .decoder import FrameDecoder
+
+__all__ = ["AudioChunk", "OrpheusEngine", "SpeechEngine"]  # AudioChunk and SpeechEngine: their first home
 
 log = logging.getLogger(__name__)
 
 # Counters stats() always has, zero until counted (the others appear when they first happen).
 _STREAM_COUNTERS = ("streams_started", "streams_completed", "streams_cancelled", "streams_failed", "streams_rejected")
-TRIM_INTERVAL_S = 1.0  # the idle decoder thread hands freed heap memory back to the OS at most this often
-
-
-@dataclass(frozen=True)
-class AudioChunk:
-    """A piece of one stream's audio: int16 little-endian mono PCM.
-
-    `utterance` is the index of the sentence it belongs to (as `OrpheusEngine.sentences` splits the text);
-    `utterance_end` marks that sentence's last chunk, `final` the stream's.
-    """
-
-    pcm: bytes
-    start_sample: int
-    final: bool
-    sample_rate: int = SAMPLE_RATE
-    utterance: int = 0
-    utterance_end: bool = False
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.pcm) // 2
-
-
-class SpeechEngine(Protocol):
-    """What the framework adapters use of an engine: `OrpheusEngine` in process, `RemoteEngine` over a socket."""
-
-    config: Any  # .model and .backend name what it runs
-    spec: ModelSpec
-
-    def synthesize(
-        self, text: str, *, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: Any
-    ) -> AsyncGenerator[AudioChunk, None]: ...
-
-    def check_options(
-        self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: Any
-    ) -> tuple[str | None, SamplingParams]: ...
-
-    def sentences(self, text: str) -> list[str]: ...
-
-    async def start(self) -> None: ...
-
-    def prewarm(self) -> None: ...
-
-    @property
-    def started(self) -> bool: ...
-
-    @property
-    def ready(self) -> bool: ...
-
-    def health(self) -> dict[str, Any]: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-    @property
-    def load(self) -> float: ...
-
-    async def aclose(self) -> None: ...
-
-
-class _Stream:
-    """Caller-side handle of one synthesize() stream; lives on the caller's event loop."""
-
-    __slots__ = (
-        "box",
-        "closed",
-        "first_audio_at",
-        "id",
-        "loop",
-        "paused",
-        "resumed",
-        "samples",
-        "task",
-        "taken",
-    )
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.id = uuid.uuid4().hex
-        self.loop = loop
-        self.closed = False  # set by the caller when it leaves early; read by every thread
-        self.samples = 0  # written by the decoder thread only
-        self.first_audio_at: float | None = None  # monotonic time its first audio left the decoder (decoder thread)
-        self.task: asyncio.Task[None] | None = None  # the engine-loop task generating its tokens (engine loop only)
-        self.box: Mailbox[AudioChunk] = Mailbox()  # caller's loop only
-        self.taken = 0  # samples the caller has taken (caller's loop writes; the engine loop reads)
-        self.paused = False  # generation waits for the caller to read (engine loop writes; caller's loop reads)
-        self.resumed: asyncio.Event | None = None  # set when the caller has caught up (engine loop only)
-
-    def unread_s(self) -> float:
-        """Seconds of decoded audio on its way to the caller or waiting for it to take it."""
-        return (self.samples - self.taken) / SAMPLE_RATE
-
-    def put(self, item: AudioChunk | BaseException) -> None:
-        """Runs on the caller's loop: a chunk, or the error that ends the stream (nothing after either end)."""
-        if self.closed or self.box.ended:
-            return
-        if isinstance(item, BaseException):
-            self.box.end(item)
-        else:
-            self.box.put(item)
-
-
-@dataclass(eq=False)
-class _Utterance:
-    """One sentence of a stream on its way through the decoder; fields guarded by the worker's lock."""
-
-    stream: _Stream
-    index: int  # the sentence's place in the stream's text
-    last: bool
-    state: DecodeState  # decoder thread only, once opened
-    incoming: list[np.ndarray] = field(default_factory=list)  # engine loop appends, decoder thread takes
-    ended: bool = False  # set by the engine loop when generation of this utterance is over
-
-
-class _DecodeWorker:
-    """The decoder thread: each tick decodes the head utterance of every stream in batched calls and delivers.
-
-    Only a stream's oldest unfinished utterance is decoded, so its sentences come out in order, each one
-    whole. A stream whose delivered audio is more than `ahead_s` ahead of real time (counted from its
-    first audio) has its frames held until the decoder's `ahead_chunk_frames` are pending, or until it
-    is no longer that far ahead: a call of several frames costs less per frame (docs/benchmarks.md).
-    `open`, `push`, `end` and `drop` run on the engine loop; everything else on the decoder thread.
-    """
-
-    def __init__(
-        self,
-        decoder: FrameDecoder,
-        on_done: Callable[[_Stream], None],
-        on_error: Callable[[_Stream, EngineError], None],
-        on_dead: Callable[[BaseException], None],
-        ahead_s: float | None = None,
-    ):
-        self.decoder = decoder
-        self.ahead_s = math.inf if ahead_s is None else ahead_s  # None: never hold
-        self._ahead_frames = decoder.ahead_chunk_frames
-        self._on_done, self._on_error, self._on_dead = on_done, on_error, on_dead
-        self._cv = threading.Condition()
-        self._queues: dict[_Stream, collections.deque[_Utterance]] = {}  # under _cv; insertion order
-        self._dropped: list[_Utterance] = []  # under _cv: states the decoder thread must release
-        self._running = True
-        self.ticks = 0  # decoder thread only
-        self._trimmed_at = 0.0
-        self._trimmed_tick = 0
-        self._thread = threading.Thread(target=self._main, name="orpheus-decoder", daemon=True)
-        self._thread.start()
-
-    # -- engine loop side --
-    def open(self, stream: _Stream, index: int, last: bool) -> _Utterance:
-        utt = _Utterance(stream, index, last, self.decoder.new_state())
-        with self._cv:
-            self._queues.setdefault(stream, collections.deque()).append(utt)
-        return utt
-
-    def push(self, utt: _Utterance, frames: np.ndarray) -> None:
-        """Queue frames; the decoder looks at them on its next tick or `kick()`."""
-        with self._cv:
-            utt.incoming.append(frames)
-
-    def kick(self) -> None:
-        """Wake the decoder thread (once per engine-loop iteration, not once per frame)."""
-        with self._cv:
-            self._cv.notify()
-
-    def end(self, utt: _Utterance) -> None:
-        with self._cv:
-            utt.ended = True
-            self._cv.notify()
-
-    def drop(self, stream: _Stream) -> None:
-        """Forget a stream: nothing of it is decoded any more (its decoder state is freed on the next tick)."""
-        with self._cv:
-            self._dropped.extend(self._queues.pop(stream, ()))
-            self._cv.notify()
-
-    def close(self) -> None:
-        with self._cv:
-            self._running = False
-            self._cv.notify()
-        self._thread.join()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    # -- decoder thread --
-    def _collect(self) -> tuple[list[_Utterance], float]:
-        """Under the lock: free dropped states, take new frames, and list the heads that can be decoded now,
-        with the monotonic time at which a held head stops being held (inf if none is held)."""
-        for utt in self._dropped:
-            self.decoder.release(utt.state)
-        self._dropped.clear()
-        ready = []
-        first = self.decoder.first_chunk_frames
-        now, release_at = time.monotonic(), math.inf
-        for queue in self._queues.values():
-            utt = queue[0]
-            if utt.incoming:
-                utt.state.pending.extend(utt.incoming)
-                utt.incoming.clear()
-            utt.state.final = utt.ended
-            if not utt.state.ready(first):
-                continue
-            stream = utt.stream
-            until = held_until(utt.state, stream.first_audio_at, stream.samples, self.ahead_s, self._ahead_frames)
-            if until > now:
-                release_at = min(release_at, until)
-            else:
-                ready.append(utt)
-        return ready, release_at
-
-    def _main(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # noqa: BLE001 - the engine must learn that its decoder is gone
-            log.exception("Orpheus decoder thread died")
-            self._on_dead(exc)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                ready, release_at = self._collect()
-                while self._running and not ready:
-                    self._cv.wait(self._wait_s(release_at))
-                    ready, release_at = self._collect()
-                if not self._running:
-                    return
-            self._tick(ready)
-
-    def _tick(self, ready: list[_Utterance]) -> None:
-        try:
-            results = self.decoder.decode([u.state for u in ready])
-        except Exception as exc:  # noqa: BLE001 - a decoder bug fails the streams of this tick, not the engine
-            results = [exc] * len(ready)
-        self.ticks += 1
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, AudioChunk | BaseException]]] = {}
-        done: list[_Stream] = []
-        failed: list[tuple[_Stream, EngineError]] = []
-        with self._cv:
-            for utt, audio in zip(ready, results):
-                stream = utt.stream
-                if stream not in self._queues:  # dropped while this tick ran
-                    continue
-                if isinstance(audio, Exception):
-                    error = EngineError(f"decoding failed: {type(audio).__name__}: {audio}")
-                    error.__cause__ = audio
-                    self._dropped.extend(self._queues.pop(stream))
-                    failed.append((stream, error))
-                    by_loop.setdefault(stream.loop, []).append((stream, error))
-                    continue
-                final = utt.last and utt.state.done
-                if utt.state.done:
-                    self._queues[stream].popleft()
-                    if not self._queues[stream]:
-                        del self._queues[stream]
-                if stream.closed or (audio.size == 0 and not final):
-                    continue
-                chunk = AudioChunk(audio.tobytes(), stream.samples, final, SAMPLE_RATE, utt.index, utt.state.done)
-                if stream.first_audio_at is None and audio.size:
-                    stream.first_audio_at = time.monotonic()
-                stream.samples += audio.size
-                by_loop.setdefault(stream.loop, []).append((stream, chunk))
-                if final:
-                    done.append(stream)
-        for stream in done:  # no longer active once its caller holds the final chunk
-            self._on_done(stream)
-        gone: list[_Stream] = []
-        for loop, items in by_loop.items():  # before on_error: a failed stream's error reaches its caller first
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening; stop working for them
-                gone += [stream for stream, _ in items]
-        for stream, error in failed:
-            self._on_error(stream, error)
-        for stream in gone:
-            stream.closed = True
-            with self._cv:
-                self._dropped.extend(self._queues.pop(stream, ()))
-            self._on_error(stream, EngineError("the caller's event loop is closed"))
-
-    def _wait_s(self, release_at: float) -> float | None:
-        """How long the idle decoder thread may sleep: until a held stream is released, or an idle trim is due."""
-        trim = self._idle_trim()
-        if release_at == math.inf:
-            return trim
-        held = max(0.0, release_at - time.monotonic())
-        return held if trim is None else min(held, trim)
-
-    def _idle_trim(self) -> float | None:
-        """With nothing to decode, hand the heap memory freed by decoding back to the OS (glibc keeps it
-        otherwise), at most once a second; the seconds to wait before trying again, or None."""
-        if self._queues or self.ticks == self._trimmed_tick or _MALLOC_TRIM is None:
-            return None
-        wait = self._trimmed_at + TRIM_INTERVAL_S - time.monotonic()
-        if wait > 0:
-            return wait
-        self._trimmed_at, self._trimmed_tick = time.monotonic(), self.ticks
-        _MALLOC_TRIM(0)
-        return None
-
-
-def held_until(
-    state: DecodeState, first_audio_at: float | None, samples: int, ahead_s: float, ahead_frames: int
-) -> float:
-    """Monotonic time until which a ready utterance's pending frames wait for more (in the past: decode now).
-
-    They wait while its stream's delivered audio (`samples`, from its first audio at `first_audio_at`) is
-    more than `ahead_s` ahead of real time and fewer than `ahead_frames` are pending; a first chunk and an
-    utterance's end never wait.
-    """
-    if state.final or state.frames_in == 0 or first_audio_at is None or state.pending_frames >= ahead_frames:
-        return -math.inf
-    return first_audio_at + samples / SAMPLE_RATE - ahead_s
-
-
-def _progress(what: str) -> Callable[[int, int], None]:
-    """A progress callback (done, total): a tqdm bar on stderr if tqdm is installed, else log lines."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return lambda done, total: log.info("%s: %d/%d", what, done, total)
-    bar: list[Any] = []
-
-    def update(done: int, total: int) -> None:
-        if not bar:
-            bar.append(tqdm(total=total, desc=what, unit="bucket"))
-        bar[0].update(done - bar[0].n)
-        if done == total:
-            bar[0].close()
-
-    return update
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
 
 
 def _failed(fut: concurrent.futures.Future[None]) -> bool:
@@ -393,25 +52,10 @@ def _failed(fut: concurrent.futures.Future[None]) -> bool:
     return fut.cancelled() or fut.exception() is not None
 
 
-def _deliver(items: list[tuple[_Stream, AudioChunk | BaseException]]) -> None:
-    for stream, item in items:
-        try:
-            stream.put(item)
-        except Exception as exc:  # noqa: BLE001 - one caller's failure must not stop delivery to the others
-            stream.box.end(EngineError(f"delivery failed: {exc!r}"))
-
-
-def _post(stream: _Stream, item: AudioChunk | BaseException) -> None:
-    """Hand one item to a stream's own loop (dropped if that loop is gone)."""
-    with contextlib.suppress(RuntimeError):
-        stream.loop.call_soon_threadsafe(_deliver, [(stream, item)])
-
-
 class OrpheusEngine:
     """Text in, 24 kHz PCM out, for every caller in the process (see `synthesize`)."""
 
-    _shared: dict[EngineConfig, OrpheusEngine] = {}
-    _shared_lock = threading.Lock()
+    _shared: SharedInstances[EngineConfig, OrpheusEngine] = SharedInstances(lambda engine: engine._closed)
 
     def __init__(
         self,
@@ -427,12 +71,11 @@ class OrpheusEngine:
         self._custom_decoder = decoder
         self._lock = threading.Lock()  # guards _open, _counters, _closed, _failure, _started
         self._started: concurrent.futures.Future[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: LoopThread | None = None  # the engine loop's thread of the latest start
         self._backend: TokenBackend | None = None  # engine loop only, once started
-        self._worker: _DecodeWorker | None = None
+        self._worker: DecodeWorker | None = None
         self._tokenizer: Any = None
-        self._open: set[_Stream] = set()
+        self._open: set[CallerStream] = set()
         self._counters: collections.Counter[str] = collections.Counter(dict.fromkeys(_STREAM_COUNTERS, 0))
         self._closed = False
         self._failure: str | None = None
@@ -445,11 +88,7 @@ class OrpheusEngine:
     def shared(cls, config: EngineConfig | None = None) -> OrpheusEngine:
         """The process-wide engine for `config` (created on first use, started by the first caller)."""
         config = config or EngineConfig()
-        with cls._shared_lock:
-            engine = cls._shared.get(config)
-            if engine is None or engine._closed:
-                engine = cls._shared[config] = cls(config)
-            return engine
+        return cls._shared.get(config, lambda: cls(config))
 
     # ---------------------------------------------------------------- lifecycle
     def prewarm(self) -> None:
@@ -464,12 +103,14 @@ class OrpheusEngine:
             if self._started is not None and self._started.done() and _failed(self._started):
                 self._started = None  # a load that failed may be tried again (the files fixed, the GPU freed)
             if self._started is None:
-                self._started = concurrent.futures.Future()
-                self._thread = threading.Thread(
-                    target=self._thread_main, args=(self._started,), name="orpheus-engine", daemon=True
-                )
-                self._thread.start()
+                self._thread = LoopThread("orpheus-engine")
+                self._started = self._thread.start(self._boot, self._loop_stopped)
             return self._started
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop | None:
+        """The engine loop of the latest start (None before the first)."""
+        return None if self._thread is None else self._thread.loop
 
     async def start(self) -> None:
         """Load the tokenizer, backend and decoder once; safe to await from any loop, any number of times.
@@ -514,32 +155,21 @@ class OrpheusEngine:
             return {"status": "failed", "reason": f"start failed: {why}"}
         return {"status": "ok", "reason": None}
 
-    def _thread_main(self, started: concurrent.futures.Future[None]) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._boot())
-        except BaseException as exc:  # noqa: BLE001 - handed to every start() caller
-            log.debug("Orpheus engine failed to start: %s", exc)  # every start() caller gets the error itself
-            if isinstance(exc, Exception) and not isinstance(exc, EngineError):
-                error = ModelLoadError(f"the engine failed to load: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
-                exc = error
-            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by someone else
-                started.set_exception(exc)
-            loop.close()
-            return
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            started.set_result(None)
-        try:
-            loop.run_forever()
-        finally:
-            if not self._closed:
-                self._fail("the engine loop stopped")
-            loop.close()
+    def _loop_stopped(self) -> None:
+        if not self._closed:
+            self._fail("the engine loop stopped")
 
     async def _boot(self) -> None:
+        """Load everything on the engine loop; a failure other than an EngineError arrives as a ModelLoadError."""
+        try:
+            await self._load()
+        except BaseException as exc:
+            log.debug("Orpheus engine failed to start: %s", exc)  # every start() caller gets the error itself
+            if isinstance(exc, Exception) and not isinstance(exc, EngineError):
+                raise ModelLoadError(f"the engine failed to load: {type(exc).__name__}: {exc}") from exc
+            raise
+
+    async def _load(self) -> None:
         from .backends import make_backend, make_tokenizer
         from .decoder import make_decoder
         from .device import resolve_device
@@ -561,13 +191,13 @@ class OrpheusEngine:
         except (OSError, ValueError) as exc:
             raise load_error("SNAC", cfg.snac, exc) from exc
         if cfg.compile and hasattr(decoder, "warm"):  # compile (and capture) every bucket now, not on the hot path
-            await asyncio.to_thread(decoder.warm, _progress("compiling decoder buckets"))
+            await asyncio.to_thread(decoder.warm, progress("compiling decoder buckets"))
         self._backend = self._custom_backend or make_backend(cfg, self.spec, device)
         try:
             await self._backend.start()
         except (OSError, ValueError) as exc:
             raise load_error(f"the {cfg.backend} model", cfg.model, exc) from exc
-        self._worker = _DecodeWorker(
+        self._worker = DecodeWorker(
             decoder, self._stream_done, self._stream_failed, self._decoder_died, cfg.decode_ahead_s
         )
 
@@ -586,10 +216,7 @@ class OrpheusEngine:
             raise
         except BaseException:  # noqa: BLE001 - a failed start leaves nothing to stop
             return
-        fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-        await asyncio.shield(asyncio.wrap_future(fut))  # a cancelled caller must not leave it half done
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        await asyncio.to_thread(self._thread.join)
+        await self._thread.stop(self._shutdown)
 
     async def _shutdown(self) -> None:
         tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -613,17 +240,17 @@ class OrpheusEngine:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self._cancel_generations, orphans)
 
-    def _end_all(self, error: EngineError) -> list[_Stream]:
+    def _end_all(self, error: EngineError) -> list[CallerStream]:
         """End every open stream with `error`; the streams it ended."""
         with self._lock:
             orphans = list(self._open)
             self._open.clear()
         for stream in orphans:  # their callers are still waiting: tell them
-            _post(stream, error)
+            post(stream, error)
         return orphans
 
     @staticmethod
-    def _cancel_generations(streams: list[_Stream]) -> None:
+    def _cancel_generations(streams: list[CallerStream]) -> None:
         """Engine loop: stop generating for streams that have already been ended."""
         for stream in streams:
             if stream.task is not None:
@@ -639,22 +266,24 @@ class OrpheusEngine:
         *,
         voice: str | None = None,
         sampling: SamplingOverrides | None = None,
+        options: SpeechOptions | None = None,
         token_log: list[int] | None = None,
         **overrides: float | int | None,
-    ) -> AsyncGenerator[AudioChunk, None]:
-        """Speak `text`: an async generator of AudioChunk, the last with `final=True`.
+    ) -> Speech:
+        """Speak `text`: a `Speech`, an async iterator of AudioChunk (the last with `final=True`) and its sentences.
 
         Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty,
-        max_tokens, seed); None takes the engine's default. Sentence i of a long text is generated
-        with seed + i, so it equals that sentence spoken alone with seed + i. Validates eagerly
-        (TypeError/ValueError naming the field). Empty text yields nothing. Long text is split at
-        sentence bounds and spoken in order, each sentence's audio whole before the next. Leaving
-        the loop early, `aclose()` or cancelling the task aborts the generation within one engine
-        step. `token_log`, if given, receives every generated id, each utterance closed by the
-        end-of-speech id: what `orpheus-tts decode` replays.
+        max_tokens, seed); None takes the engine's default. Or `options`, as `check_options` returned
+        them (not checked again). Sentence i of a long text is generated with seed + i, so it equals
+        that sentence spoken alone with seed + i. Validates eagerly (TypeError/ValueError naming the
+        field). Empty text yields nothing. Long text is split at sentence bounds and spoken in order,
+        each sentence's audio whole before the next. Leaving the loop early, `aclose()` or cancelling
+        the task aborts the generation within one engine step. `token_log`, if given, receives every
+        generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
         """
-        voice, params = self.check_options(voice, sampling, **overrides)
-        return self._synthesize(self.sentences(text), voice, params, token_log)
+        options = SpeechOptions.chosen(options, self.check_options, voice, sampling, **overrides)
+        pieces = self.sentences(text)
+        return Speech(pieces, self._synthesize(pieces, options, token_log))
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, one request each, in order (`AudioChunk.utterance` indexes them)."""
@@ -662,23 +291,23 @@ class OrpheusEngine:
 
     def check_options(
         self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: float | int | None
-    ) -> tuple[str | None, SamplingParams]:
-        """The voice and sampling parameters a request would use; TypeError/ValueError naming what is wrong.
+    ) -> SpeechOptions:
+        """The voice and sampling a request would use (unpacks as `(voice, sampling)`); TypeError/ValueError
+        naming what is wrong.
 
-        Adapters call this when options change, so that bad input fails there and then rather
-        than in the middle of a call.
+        Adapters call this when options change, so that bad input fails there and then rather than in
+        the middle of a call, and pass the result to `synthesize(options=...)`.
         """
-        voice = self.spec.check_voice(voice)
-        return voice, SamplingOverrides.of(sampling, **overrides).apply(self.config.sampling)
+        return SpeechOptions.check(self.spec, self.config.sampling, voice, sampling, **overrides)
 
     async def _synthesize(
-        self, pieces: list[str], voice: str | None, sampling: SamplingParams, token_log: list[int] | None
+        self, pieces: list[str], options: SpeechOptions, token_log: list[int] | None
     ) -> AsyncGenerator[AudioChunk, None]:
         if not pieces:
             return
         await self.start()
-        stream = _Stream(asyncio.get_running_loop())
-        requests = [self._request(stream, i, piece, voice, sampling) for i, piece in enumerate(pieces)]
+        stream = CallerStream(asyncio.get_running_loop())
+        requests = [self._request(stream, i, piece, options) for i, piece in enumerate(pieces)]
         self._admit(stream)
         self._loop.call_soon_threadsafe(self._begin, stream, requests, token_log)
         complete = False
@@ -700,14 +329,14 @@ class OrpheusEngine:
                     self._loop.call_soon_threadsafe(self._cancel, stream)
 
     def _request(
-        self, stream: _Stream, i: int, text: str, voice: str | None, sampling: SamplingParams
+        self, stream: CallerStream, i: int, text: str, options: SpeechOptions
     ) -> tuple[GenerationRequest, str]:
-        cfg = self.config
+        cfg, sampling = self.config, options.sampling
         limit, kind = token_budget(text, cfg.token_budget_per_char, cfg.token_budget_base, sampling.max_tokens)
         seed = None if sampling.seed is None else (sampling.seed + i) % 2**63
         req = GenerationRequest(
             request_id=f"{stream.id}-{i}",
-            prompt_ids=prompt_ids(self._tokenizer, self.spec, text, voice),
+            prompt_ids=prompt_ids(self._tokenizer, self.spec, text, options.voice),
             sampling=replace(sampling, seed=seed),
             max_new_tokens=limit,
             stop_ids=self.spec.stop_ids(),
@@ -716,7 +345,7 @@ class OrpheusEngine:
         )
         return req, kind
 
-    def _admit(self, stream: _Stream) -> None:
+    def _admit(self, stream: CallerStream) -> None:
         with self._lock:
             if self._closed:
                 raise EngineClosedError("engine is closed")
@@ -731,7 +360,7 @@ class OrpheusEngine:
 
     # ---------------------------------------------------------------- engine loop
     def _begin(
-        self, stream: _Stream, requests: list[tuple[GenerationRequest, str]], token_log: list[int] | None
+        self, stream: CallerStream, requests: list[tuple[GenerationRequest, str]], token_log: list[int] | None
     ) -> None:
         if stream.closed or stream not in self._open:  # cancelled, or failed with the engine, before it began
             self._release(stream)
@@ -739,7 +368,7 @@ class OrpheusEngine:
         stream.task = self._loop.create_task(self._generate(stream, requests, token_log))
 
     async def _generate(
-        self, stream: _Stream, requests: list[tuple[GenerationRequest, str]], token_log: list[int] | None
+        self, stream: CallerStream, requests: list[tuple[GenerationRequest, str]], token_log: list[int] | None
     ) -> None:
         worker = self._worker
         try:
@@ -750,7 +379,7 @@ class OrpheusEngine:
         except asyncio.CancelledError:
             worker.drop(stream)
             if not stream.closed:  # not the caller's cancel: the engine is shutting down or failed
-                _post(stream, EngineClosedError("engine closed") if self._closed else EngineError("stream cancelled"))
+                post(stream, EngineClosedError("engine closed") if self._closed else EngineError("stream cancelled"))
             self._release(stream)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller
             worker.drop(stream)
@@ -760,11 +389,11 @@ class OrpheusEngine:
             err = exc if isinstance(exc, EngineError) else EngineError(str(exc))
             if err is not exc:
                 err.__cause__ = exc
-            _post(stream, err)
+            post(stream, err)
             self._release(stream)
 
     async def _generate_utterance(
-        self, utt: _Utterance, req: GenerationRequest, limit_kind: str, token_log: list[int] | None
+        self, utt: Utterance, req: GenerationRequest, limit_kind: str, token_log: list[int] | None
     ) -> None:
         """Feed one request's tokens as frames to the decoder; its first token must come within the queue timeout."""
         parser = FrameParser(self.spec)
@@ -802,7 +431,7 @@ class OrpheusEngine:
         if tokens.finish_reason == FinishReason.ERROR:
             raise BackendError(f"backend failed request {req.request_id}")
 
-    async def _wait_for_reader(self, stream: _Stream, tokens: PausableStream) -> None:
+    async def _wait_for_reader(self, stream: CallerStream, tokens: PausableStream) -> None:
         """Pause this stream's generation until its caller has read all but `pause_unread_s / 2` of its audio.
 
         `paused` is published before the caller's progress is read again, and the caller reads `paused` after
@@ -823,7 +452,7 @@ class OrpheusEngine:
         finally:
             stream.paused = False
 
-    def _resume(self, stream: _Stream) -> None:
+    def _resume(self, stream: CallerStream) -> None:
         if stream.resumed is not None:
             stream.resumed.set()
 
@@ -836,26 +465,26 @@ class OrpheusEngine:
         self._kick_pending = False
         self._worker.kick()
 
-    def _cancel(self, stream: _Stream) -> None:
+    def _cancel(self, stream: CallerStream) -> None:
         if stream.task is not None and not stream.task.done():
             stream.task.cancel()  # its handler drops decoder state and releases the stream
         else:
             self._worker.drop(stream)
             self._release(stream)
 
-    def _stream_done(self, stream: _Stream) -> None:
+    def _stream_done(self, stream: CallerStream) -> None:
         """Decoder thread: the final chunk of `stream` is on its way to the caller."""
         self._count("streams_completed")
         self._release(stream)
 
-    def _stream_failed(self, stream: _Stream, error: EngineError) -> None:
+    def _stream_failed(self, stream: CallerStream, error: EngineError) -> None:
         """Decoder thread: `stream` failed there (its error is on its way); stop generating for it."""
         self._count("streams_failed_in_decoder")
         self._release(stream)
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._cancel, stream)
 
-    def _release(self, stream: _Stream) -> None:
+    def _release(self, stream: CallerStream) -> None:
         """Stop counting `stream` as active (once, whichever way it ended)."""
         with self._lock:
             self._open.discard(stream)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 
 class EngineError(RuntimeError):
     """A stream failed inside the engine (backend error, decoder error, engine closed)."""
@@ -26,6 +28,41 @@ class ModelLoadError(EngineError):
 class DeviceUnavailableError(ModelLoadError):
     """The device asked for is not one this torch can run on (CUDA on a CPU build, a missing GPU); the message
     says which to use."""
+
+
+class Failure(enum.Enum):
+    """What a failed request means to a caller, whatever its framework: each adapter maps these to its own errors."""
+
+    TIMEOUT = "no audio in time"  # a stall or a slow engine: another try may well succeed
+    OVERLOADED = "engine overloaded"  # full now: later, or another engine
+    ENGINE_FAILED = "engine failed"  # an engine thread died: it serves nothing more
+    LOAD_FAILED = "engine failed to load"
+    CLOSED = "engine closed"
+    BAD_INPUT = "bad text, voice or sampling value"  # retrying cannot help
+    STREAM_FAILED = "stream failed"  # one generation failed (backend or decoder fault); the engine still serves
+    ENGINE_DOWN = "engine not serving"  # any other failure of an engine that is failed or closed
+    UNEXPECTED = "unexpected error"  # not an engine error, from an engine that still serves: a bug or a broken set-up
+
+
+_FAILURES: tuple[tuple[type[BaseException], Failure], ...] = (  # first match wins
+    (TimeoutError, Failure.TIMEOUT),
+    (EngineOverloadedError, Failure.OVERLOADED),
+    (EngineFailedError, Failure.ENGINE_FAILED),
+    (ModelLoadError, Failure.LOAD_FAILED),
+    (EngineClosedError, Failure.CLOSED),
+    (ValueError, Failure.BAD_INPUT),
+    (TypeError, Failure.BAD_INPUT),
+)
+
+
+def failure_of(exc: BaseException, *, serving: bool) -> Failure:
+    """What `exc` means; `serving`: the engine is neither failed nor closed (`health()`), so it may serve again."""
+    kind = next((kind for cls, kind in _FAILURES if isinstance(exc, cls)), None)
+    if kind is not None:
+        return kind
+    if not serving:
+        return Failure.ENGINE_DOWN
+    return Failure.STREAM_FAILED if isinstance(exc, EngineError) else Failure.UNEXPECTED
 
 
 def missing_extra(extra: str, what: str, exc: ImportError) -> ImportError:

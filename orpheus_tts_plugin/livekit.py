@@ -35,16 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig, SamplingOverrides
-from .engine import AudioChunk, OrpheusEngine, SpeechEngine
-from .errors import (
-    EngineClosedError,
-    EngineError,
-    EngineFailedError,
-    EngineOverloadedError,
-    ModelLoadError,
-    missing_extra,
-)
+from .engine import OrpheusEngine
+from .errors import Failure, failure_of, missing_extra
 from .spec import SAMPLE_RATE
+from .types import AudioChunk, SpeechEngine, SpeechOptions
 from .weights import download_files
 from .words import DEFAULT_WEIGHTS, Pace, TimedWord, Weights, WordTimer
 
@@ -101,19 +95,6 @@ def _engine_for(engine: SpeechEngine | EngineConfig | None) -> SpeechEngine:
     return engine
 
 
-@dataclass(frozen=True)
-class _Options:
-    """Per-request synthesis options; None leaves the engine's default."""
-
-    voice: str | None = None
-    sampling: SamplingOverrides = SamplingOverrides()
-
-    def checked(self, engine: SpeechEngine) -> _Options:
-        """Raise TypeError/ValueError now (not mid-call) for a voice or sampling value the engine would refuse."""
-        engine.check_options(self.voice, self.sampling)
-        return self
-
-
 class TTS(tts.TTS):
     """Orpheus text-to-speech for LiveKit Agents: 24 kHz mono PCM, streamed as the engine decodes it."""
 
@@ -143,7 +124,9 @@ class TTS(tts.TTS):
             num_channels=NUM_CHANNELS,
         )
         self._engine = _engine_for(engine or config)
-        self._opts = _Options(voice, SamplingOverrides.of(sampling, **overrides)).checked(self._engine)
+        # Checked here and at each update_options (TypeError/ValueError now, not mid-call), then passed as they are.
+        self._opts: SpeechOptions = self._engine.check_options(voice, sampling, **overrides)
+        self._voice = voice  # as given (None: the engine's default)
         self._sentence_tokenizer = (
             sentence_tokenizer if utils.is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
         )
@@ -156,7 +139,7 @@ class TTS(tts.TTS):
 
     @property
     def voice(self) -> str | None:
-        return self._engine.spec.check_voice(self._opts.voice)
+        return self._opts.voice
 
     @property
     def model(self) -> str:
@@ -171,9 +154,9 @@ class TTS(tts.TTS):
     ) -> None:
         """Change options for streams created from now on: voice and sampling fields (None restores the default)."""
         changes = {k: v for k, v in overrides.items() if utils.is_given(v)}
-        sampling = SamplingOverrides.of(self._opts.sampling, **changes)
-        new = _Options(voice if utils.is_given(voice) else self._opts.voice, sampling)
-        self._opts = new.checked(self._engine)
+        new_voice = voice if utils.is_given(voice) else self._voice
+        self._opts = self._engine.check_options(new_voice, self._opts.overrides, **changes)
+        self._voice = new_voice
 
     def prewarm(self) -> None:
         """Start loading the engine in the background; never blocks the caller's event loop."""
@@ -208,7 +191,12 @@ class _Segment:
 
 
 async def _speak(
-    engine: SpeechEngine, text: str, opts: _Options, emitter: tts.AudioEmitter, timeout: float, segment: _Segment
+    engine: SpeechEngine,
+    text: str,
+    opts: SpeechOptions,
+    emitter: tts.AudioEmitter,
+    timeout: float,
+    segment: _Segment,
 ) -> None:
     """Push the engine's audio for `text` and its timed words into `emitter`, no chunk later than `timeout`.
 
@@ -217,8 +205,8 @@ async def _speak(
     """
     pushed = 0
     try:
-        chunks = engine.synthesize(text, voice=opts.voice, sampling=opts.sampling)
-        words = WordTimer(engine.sentences(text), segment.pace)
+        chunks = engine.synthesize(text, options=opts)
+        words = WordTimer(chunks.sentences, segment.pace)
         # aclosing: the generation is aborted the moment this task is cancelled, not at garbage collection.
         async with contextlib.aclosing(chunks):  # type: ignore[type-var]
             async for chunk in _in_time(chunks, timeout):
@@ -257,22 +245,29 @@ def _api_error(exc: Exception, *, serving: bool = True) -> APIError:
     `serving`: the engine is not failed or closed (a stream open when a thread died gets a plain
     EngineError; its retry could only meet EngineFailedError).
     """
-    if isinstance(exc, TimeoutError):  # a stall or a slow engine: another try may well succeed
-        return APITimeoutError(str(exc))
-    if isinstance(exc, EngineOverloadedError):
-        # Not retryable: the engine said it is full, and LiveKit's contract does not ask for retries
-        # here (tts.py ChunkedStream._main_task retries only `retryable` errors; fallback_adapter.py
-        # FallbackChunkedStream._run fails over on any exception). Retrying would only delay the
-        # failover by 2.1 s (max_retry_per_tts=2: 0.1 s + retry_interval 2.0 s) and add load.
-        return APIStatusError(str(exc), status_code=503, retryable=False)
-    dead = (EngineClosedError, EngineFailedError, ModelLoadError)
-    if isinstance(exc, dead) or (isinstance(exc, EngineError) and not serving):  # this engine will not serve again
-        return APIError(str(exc), retryable=False)
-    if isinstance(exc, EngineError):  # one generation failed (backend or decoder fault): worth one more try
-        return APIConnectionError(str(exc))
-    if isinstance(exc, (ValueError, TypeError)):  # bad text, voice or sampling value: retrying cannot help
-        return APIStatusError(str(exc), status_code=400, retryable=False)
-    return APIError(f"Orpheus synthesis failed: {exc!r}", retryable=False)  # a bug or a broken set-up
+    kind = failure_of(exc, serving=serving)
+    return _API_ERRORS[kind](f"Orpheus synthesis failed: {exc!r}" if kind is Failure.UNEXPECTED else str(exc))
+
+
+def _not_retryable(message: str) -> APIError:
+    return APIError(message, retryable=False)  # this engine will not serve again, or a bug: retrying cannot help
+
+
+# The LiveKit error for each kind of failure. An overload is not retryable: the engine said it is full, and
+# LiveKit's contract does not ask for retries there (tts.py ChunkedStream._main_task retries only `retryable`
+# errors; fallback_adapter.py FallbackChunkedStream._run fails over on any exception). Retrying would only delay
+# the failover by 2.1 s (max_retry_per_tts=2: 0.1 s + retry_interval 2.0 s) and add load.
+_API_ERRORS: dict[Failure, Callable[[str], APIError]] = {
+    Failure.TIMEOUT: APITimeoutError,
+    Failure.OVERLOADED: lambda message: APIStatusError(message, status_code=503, retryable=False),
+    Failure.ENGINE_FAILED: _not_retryable,
+    Failure.LOAD_FAILED: _not_retryable,
+    Failure.CLOSED: _not_retryable,
+    Failure.ENGINE_DOWN: _not_retryable,
+    Failure.BAD_INPUT: lambda message: APIStatusError(message, status_code=400, retryable=False),
+    Failure.STREAM_FAILED: APIConnectionError,  # one generation failed: worth one more try
+    Failure.UNEXPECTED: _not_retryable,
+}
 
 
 def _initialize(emitter: tts.AudioEmitter, *, stream: bool) -> None:

@@ -34,16 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
-from .engine import AudioChunk, OrpheusEngine, SpeechEngine
-from .errors import (
-    EngineClosedError,
-    EngineError,
-    EngineFailedError,
-    EngineOverloadedError,
-    ModelLoadError,
-    missing_extra,
-)
+from .engine import OrpheusEngine
+from .errors import EngineError, EngineFailedError, EngineOverloadedError, Failure, failure_of, missing_extra
 from .spec import SAMPLE_RATE
+from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 from .words import DEFAULT_WEIGHTS, Pace, Weights, WordTimer
 
 try:
@@ -68,19 +62,21 @@ except ImportError as exc:  # one line saying what to install, not a traceback f
     raise missing_extra("pipecat", "the Pipecat adapter", exc) from exc
 
 
-# How each failure is reported: (exception types, what the ErrorFrame says, Pipecat category, permanent).
-# First match wins. Permanent = the service is written off (`is_usable` False; a ServiceSwitcher with
-# ServiceSwitcherStrategyFailover moves to the next service). None = permanent only if the engine
-# itself reports that it failed or was closed (a backend thread that died, a start that raised).
-# An overload is never permanent, but leaves the service unusable until the engine has room (`_overloaded`).
-_FAILURES: tuple[tuple[tuple[type[Exception], ...], str, ErrorCategory, bool | None], ...] = (
-    ((EngineOverloadedError,), "Orpheus engine overloaded", ErrorCategory.RATE_LIMIT, False),
-    ((EngineFailedError,), "Orpheus engine failed", ErrorCategory.SERVER, True),
-    ((ModelLoadError,), "Orpheus engine failed to load", ErrorCategory.SERVER, True),
-    ((EngineClosedError,), "Orpheus engine closed", ErrorCategory.SERVER, True),
-    ((ValueError, TypeError), "cannot speak this text with these settings", ErrorCategory.APPLICATION, False),
-    ((Exception,), "Orpheus synthesis failed", ErrorCategory.SERVER, None),
-)
+# How each kind of failure is reported: (what the ErrorFrame says, Pipecat category, permanent). Permanent =
+# the service is written off (`is_usable` False; a ServiceSwitcher with ServiceSwitcherStrategyFailover moves
+# to the next service). An overload is never permanent, but leaves the service unusable until the engine has
+# room (`_overloaded`).
+_REPORTS: dict[Failure, tuple[str, ErrorCategory, bool]] = {
+    Failure.OVERLOADED: ("Orpheus engine overloaded", ErrorCategory.RATE_LIMIT, False),
+    Failure.ENGINE_FAILED: ("Orpheus engine failed", ErrorCategory.SERVER, True),
+    Failure.LOAD_FAILED: ("Orpheus engine failed to load", ErrorCategory.SERVER, True),
+    Failure.CLOSED: ("Orpheus engine closed", ErrorCategory.SERVER, True),
+    Failure.BAD_INPUT: ("cannot speak this text with these settings", ErrorCategory.APPLICATION, False),
+    Failure.ENGINE_DOWN: ("Orpheus synthesis failed", ErrorCategory.SERVER, True),
+    Failure.STREAM_FAILED: ("Orpheus synthesis failed", ErrorCategory.SERVER, False),
+    Failure.TIMEOUT: ("Orpheus synthesis failed", ErrorCategory.SERVER, False),
+    Failure.UNEXPECTED: ("Orpheus synthesis failed", ErrorCategory.SERVER, False),
+}
 _ENGINE_DOWN = ("failed", "closed")  # engine.health() statuses after which nothing more can be spoken
 ENGINE_READY = "on_engine_ready"  # this service's own event
 # The error TTSService._record_context_audio_outcome pushes for a context that completed with no audio.
@@ -186,11 +182,12 @@ class OrpheusTTSService(TTSService):
         )
         if settings is not None:
             store.apply_update(settings)
+        self._checked: tuple[tuple[str | None, SamplingOverrides], SpeechOptions] | None = None  # see _options
         self._validate(store)
         self._ready_handlers: list[Callable[..., Any]] = []  # on_engine_ready's
         self._keepalive_s = kwargs.get("stop_frame_timeout_s", _STOP_FRAME_TIMEOUT_S) / 2
         super().__init__(push_start_frame=True, push_stop_frames=True, push_text_frames=False, settings=store, **kwargs)
-        self._streams: dict[str, AsyncGenerator[AudioChunk, None]] = {}
+        self._streams: dict[str, Speech] = {}
         self._playouts: dict[str, _Playout] = {}  # per audio context: where its words play
         self._pace = Pace(word_weights)  # this call's speaking rate, learnt sentence by sentence
         # Contexts given to the engine (run_tts ran for them) -> whether one of their requests failed, reported.
@@ -341,7 +338,14 @@ class OrpheusTTSService(TTSService):
                 f"model {settings.model!r} differs from the engine's {self._engine.config.model!r}; "
                 "the model is fixed per engine"
             )
-        self._engine.check_options(settings.voice, self._sampling(settings))
+        self._options(settings)
+
+    def _options(self, settings: OrpheusTTSSettings) -> SpeechOptions:
+        """The engine's checked options for `settings`: checked once each time they change, then passed as they are."""
+        key = (settings.voice, self._sampling(settings))
+        if self._checked is None or self._checked[0] != key:
+            self._checked = (key, self._engine.check_options(*key))
+        return self._checked[1]
 
     @staticmethod
     def _sampling(settings: OrpheusTTSSettings) -> SamplingOverrides:
@@ -397,12 +401,12 @@ class OrpheusTTSService(TTSService):
         self._asked_contexts.setdefault(context_id, False)
         self._last_run_yielded_audio = False
         try:
-            stream = self._engine.synthesize(text, voice=settings.voice, sampling=self._sampling(settings))
+            stream = self._engine.synthesize(text, options=self._options(settings))
         except (ValueError, TypeError) as exc:
             await self._report_failure(exc, context_id)
             return
         self._streams[context_id] = stream
-        words = WordTimer(self._engine.sentences(text), self._pace)
+        words = WordTimer(stream.sentences, self._pace)
         playout = self._playouts.setdefault(context_id, _Playout(SAMPLE_RATE))
         await self.start_tts_usage_metrics(text)
         await self._pcm_resampler.reset()
@@ -439,13 +443,10 @@ class OrpheusTTSService(TTSService):
     # ---------------------------------------------------------------- failures
     def _classify(self, exc: Exception) -> tuple[str, ErrorCategory, bool]:
         """What a failure means to Pipecat: the ErrorFrame's message, its category, and whether it is permanent."""
-        _, what, category, permanent = next(row for row in _FAILURES if isinstance(exc, row[0]))
-        if permanent is None:
-            permanent = self._engine.health()["status"] in _ENGINE_DOWN
-        return what, category, permanent
+        return _REPORTS[failure_of(exc, serving=self._engine.health()["status"] not in _ENGINE_DOWN)]
 
     async def _report_failure(self, exc: Exception, context_id: str | None = None) -> None:
-        """Push one ErrorFrame for `exc` (by `_FAILURES`); its context is not a silent one.
+        """Push one ErrorFrame for `exc` (by `_REPORTS`); its context is not a silent one.
 
         A permanent failure writes the service off; an overload makes it unusable until the engine has room
         (`_check_capacity` brings it back). Either way `is_usable` is False before the frame travels, which is

@@ -14,6 +14,7 @@ docs/word-timestamps.md (`scripts/word_timing_accuracy.py`).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
@@ -298,8 +299,8 @@ class _Sentence:
 class WordTimer:
     """Times the words of one `synthesize()` stream from its chunks, in order, each word once."""
 
-    def __init__(self, sentences: list[str], pace: Pace | None = None, hold_s: float = 0.0):
-        """`sentences`: what the stream speaks, as `OrpheusEngine.sentences(text)` splits it.
+    def __init__(self, sentences: Sequence[str], pace: Pace | None = None, hold_s: float = 0.0):
+        """`sentences`: what the stream speaks, as its engine split it (`Speech.sentences`).
 
         `hold_s`: audio seconds a word waits past its estimated end before it is given out by the prior;
         more is more accurate (more words timed with the sentence's length known), later when generation

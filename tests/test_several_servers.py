@@ -21,7 +21,7 @@ import pytest
 
 from orpheus_tts_plugin import EngineConfig, EngineError, OrpheusEngine, RemoteEngine, SyntheticConfig
 from orpheus_tts_plugin.cli import main
-from orpheus_tts_plugin.engine import AudioChunk
+from orpheus_tts_plugin.types import AudioChunk
 from orpheus_tts_plugin.server.serve import ServerThread, serving_in_thread
 from tests.servers import free_port, serve_args, serve_processes, until
 from tests.stubs import SPEED_IDS, SPEEDS, GatedBackend

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.affinity import allowed_cpus, cpu_list
-from orpheus_tts_plugin.engine import SpeechEngine
+from orpheus_tts_plugin.types import SpeechEngine
 
 GREETING = "Hello, thanks for calling. How can I help you today?"
 SYSTEM_PROMPT = (

@@ -21,11 +21,12 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from ..config import EngineConfig, SamplingOverrides, SamplingParams
-from ..engine import AudioChunk
 from ..errors import EngineClosedError, EngineError, EngineOverloadedError
+from ..loop_thread import LoopThread, Outbox, SharedInstances
 from ..mailbox import Mailbox
 from ..spec import SPECS, ModelSpec, spec_for
 from ..text import split_sentences
+from ..types import AudioChunk, Speech, SpeechOptions
 from . import protocol
 from .connection import Connection, Item, to_mailbox
 from .upstream import Upstream, choose, server_urls
@@ -49,47 +50,21 @@ class RemoteConfig:
 class _CallerStream:
     """One synthesize() call: created on the caller's loop; `box` is read there only."""
 
-    __slots__ = ("box", "closed", "conn", "loop", "put", "sid", "upstream")
+    __slots__ = ("_to_box", "box", "closed", "conn", "loop", "sid", "upstream")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.box: Mailbox[AudioChunk] = Mailbox()
-        self.put = to_mailbox(self.box)  # caller's loop only
+        self._to_box = to_mailbox(self.box)  # caller's loop only
         self.closed = False  # set by the caller when it leaves early; read on the connection's loop
         self.upstream: Upstream | None = None  # the server it went to; connection's loop only
         self.conn: Connection | None = None  # connection's loop only
         self.sid: int | None = None  # connection's loop only
 
-
-def _deliver(items: list[tuple[_CallerStream, Item]]) -> None:
-    """Runs on a caller's loop: hand each item to its stream, unless the caller already left."""
-    for stream, item in items:
-        if not stream.closed:
-            stream.put(item)
-
-
-class _Outbound:
-    """Items bound for callers' loops: one call_soon_threadsafe per caller loop per turn (connection's loop only)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_gone: Callable[[_CallerStream], None]):
-        self._loop = loop
-        self._on_gone = on_gone  # called with a stream whose caller's loop is closed
-        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[_CallerStream, Item]]] = {}
-
-    def post(self, stream: _CallerStream, item: Item) -> None:
-        if not self._pending:
-            self._loop.call_soon(self.flush)
-        self._pending.setdefault(stream.loop, []).append((stream, item))
-
-    def flush(self) -> None:
-        pending, self._pending = self._pending, {}
-        for loop, items in pending.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # that caller's loop is closed: nobody listens; stop the server's work for it
-                for stream, _ in items:
-                    stream.closed = True
-                    self._on_gone(stream)
+    def put(self, item: Item) -> None:
+        """Runs on the caller's loop: hand `item` on, unless the caller already left."""
+        if not self.closed:
+            self._to_box(item)
 
 
 class RemoteEngine:
@@ -105,8 +80,9 @@ class RemoteEngine:
     new stream to the least-loaded one that serves; one that drops or drains gets no new streams.
     """
 
-    _shared: ClassVar[dict[tuple[int, RemoteConfig], RemoteEngine]] = {}
-    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+    _shared: ClassVar[SharedInstances[tuple[int, RemoteConfig], RemoteEngine]] = SharedInstances(
+        lambda engine: engine._closed
+    )
 
     def __init__(
         self,
@@ -136,8 +112,7 @@ class RemoteEngine:
         self._connect_timeout_s = connect_timeout_s
         self._keepalive_s = keepalive_s
         self._lock = threading.Lock()  # guards _thread, _closed, _counters
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the connection's loop, once the thread runs
+        self._thread: LoopThread | None = None  # the connection's loop, from the first start() or prewarm()
         self._closed = False
         self._counters: collections.Counter[str] = collections.Counter()
         # The rest belongs to the connection's loop (other threads only read the references).
@@ -146,7 +121,7 @@ class RemoteEngine:
         self._open: set[_CallerStream] = set()
         self._connected = asyncio.Event()  # set at each new connection and at shutdown: waiters look again
         self._keepers: list[asyncio.Task[None]] = []
-        self._outbound: _Outbound | None = None
+        self._outbox: Outbox[_CallerStream] = Outbox()  # the connection's loop only
 
     @classmethod
     def shared(cls, url: str | Sequence[str], **options: Any) -> RemoteEngine:
@@ -154,11 +129,7 @@ class RemoteEngine:
         apply on creation."""
         joined = ",".join(server_urls(url))
         key = (os.getpid(), RemoteConfig(joined, options.get("model"), options.get("model_family", "orpheus-en")))
-        with cls._shared_lock:
-            engine = cls._shared.get(key)
-            if engine is None or engine._closed:
-                engine = cls._shared[key] = cls(joined, **options)
-            return engine
+        return cls._shared.get(key, lambda: cls(joined, **options))
 
     # ---------------------------------------------------------------- lifecycle
     def prewarm(self) -> None:
@@ -170,8 +141,7 @@ class RemoteEngine:
         naming the servers that cannot be reached."""
         self._ensure_thread()
         if not self._reached(every_server):
-            fut = asyncio.run_coroutine_threadsafe(self._wait_up(self._connect_timeout_s, every_server), self._loop)
-            await asyncio.wrap_future(fut)
+            await self._thread.run(self._wait_up(self._connect_timeout_s, every_server))
 
     @property
     def started(self) -> bool:
@@ -245,7 +215,7 @@ class RemoteEngine:
         conn = upstream.conn
         if conn is None:
             raise EngineError(f"not connected to {upstream.url}")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(conn.server_stats(), self._loop))
+        return await self._thread.run(conn.server_stats())
 
     async def aclose(self) -> None:
         """End every open call with EngineClosedError, close the sockets and the thread. Cannot be restarted."""
@@ -256,17 +226,15 @@ class RemoteEngine:
             thread = self._thread
         if thread is None:
             return
-        shutdown = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
-        await asyncio.shield(asyncio.wrap_future(shutdown))  # a cancelled caller must not leave it half done
-        await asyncio.to_thread(thread.join)
+        await thread.stop(self._shutdown)
 
     # ---------------------------------------------------------------- options
     def check_options(
         self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: float | int | None
-    ) -> tuple[str | None, SamplingParams]:
-        """The voice and sampling a request would use; TypeError/ValueError naming what is wrong (checked locally)."""
-        voice = self.spec.check_voice(voice)
-        return voice, SamplingOverrides.of(sampling, **overrides).apply(self.sampling)
+    ) -> SpeechOptions:
+        """The voice and sampling a request would use, checked locally against what the servers accept;
+        TypeError/ValueError naming what is wrong."""
+        return SpeechOptions.check(self.spec, self.sampling, voice, sampling, **overrides)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, in order, as the server splits them (`AudioChunk.utterance`)."""
@@ -274,23 +242,29 @@ class RemoteEngine:
 
     # ---------------------------------------------------------------- synthesis
     def synthesize(
-        self, text: str, *, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: Any
-    ) -> AsyncGenerator[AudioChunk, None]:
-        """Speak `text` on a server: AudioChunks as OrpheusEngine.synthesize yields them (validated eagerly).
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        sampling: SamplingOverrides | None = None,
+        options: SpeechOptions | None = None,
+        **overrides: Any,
+    ) -> Speech:
+        """Speak `text` on a server: a `Speech` as OrpheusEngine.synthesize returns it (validated eagerly).
 
-        Leaving the loop early, `aclose()` or cancelling the task sends `cancel` at once.
+        The server fills in its own sampling defaults: only the overrides travel. Leaving the loop early,
+        `aclose()` or cancelling the task sends `cancel` at once.
         """
-        if not isinstance(text, str):
-            raise TypeError(f"text must be str, got {type(text).__name__}")
-        self.check_options(voice, sampling, **overrides)
-        return self._synthesize(protocol.Start(text, voice, SamplingOverrides.of(sampling, **overrides)))
+        options = SpeechOptions.chosen(options, self.check_options, voice, sampling, **overrides)
+        sentences = self.sentences(text)
+        return Speech(sentences, self._synthesize(protocol.Start(text, options.voice, options.overrides)))
 
     async def _synthesize(self, request: protocol.Start) -> AsyncGenerator[AudioChunk, None]:
         if self._closed:
             raise EngineClosedError("RemoteEngine is closed")
         await self.start()
         stream = _CallerStream(asyncio.get_running_loop())
-        self._loop.call_soon_threadsafe(self._begin, stream, request)
+        self._thread.call(self._begin, stream, request)
         self._count("streams_started")
         outcome = "streams_cancelled"
         try:
@@ -316,7 +290,7 @@ class RemoteEngine:
             if outcome == "streams_cancelled":
                 stream.closed = True
                 with contextlib.suppress(RuntimeError):  # the connection's loop is gone: nothing to cancel
-                    self._loop.call_soon_threadsafe(self._cancel, stream)
+                    self._thread.call(self._cancel, stream)
 
     def _count(self, key: str) -> None:
         with self._lock:
@@ -341,22 +315,23 @@ class RemoteEngine:
                 raise EngineClosedError("RemoteEngine is closed")
             if self._thread is not None:
                 return
-            running = threading.Event()
-            self._thread = threading.Thread(target=self._main, args=(running,), name="orpheus-remote", daemon=True)
-            self._thread.start()
-        running.wait()
+            self._thread = LoopThread("orpheus-remote")
+            booted = self._thread.start(self._boot, lambda: None)
+        booted.result()  # at once: the boot only starts tasks
 
-    def _main(self, running: threading.Event) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self._loop = loop
-        self._outbound = _Outbound(loop, self._cancel)
-        self._keepers = [loop.create_task(u.keep_connected()) for u in self._upstreams]
-        running.set()
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
+    async def _boot(self) -> None:
+        self._keepers = [asyncio.create_task(u.keep_connected()) for u in self._upstreams]
+
+    def _post(self, stream: _CallerStream, item: Item) -> None:
+        """Queue `item` for its caller's loop; what is queued in one turn of this loop goes in one call per loop."""
+        if not self._outbox:
+            self._thread.loop.call_soon(self._flush)
+        self._outbox.add(stream, item)
+
+    def _flush(self) -> None:
+        for stream in self._outbox.send():  # its caller's loop is closed: nobody listens; stop the server's work
+            stream.closed = True
+            self._cancel(stream)
 
     async def _connect(
         self, url: str, on_status: Callable[[dict[str, Any]], None], on_close: Callable[[str], None]
@@ -402,7 +377,7 @@ class RemoteEngine:
         upstream = choose(self._upstreams, self._turn)
         self._turn += 1
         if upstream is None:
-            self._outbound.post(stream, EngineError(f"connection to {self.config.url} lost: {self._why_down('')}"))
+            self._post(stream, EngineError(f"connection to {self.config.url} lost: {self._why_down('')}"))
             return
         self._open.add(stream)
         stream.upstream = upstream
@@ -412,7 +387,7 @@ class RemoteEngine:
         if not isinstance(item, AudioChunk) or item.final:
             self._open.discard(stream)
             stream.upstream.ended(stream.conn, stream.sid)
-        self._outbound.post(stream, item)
+        self._post(stream, item)
 
     def _cancel(self, stream: _CallerStream) -> None:
         self._open.discard(stream)
@@ -428,5 +403,4 @@ class RemoteEngine:
             if upstream.conn is not None:
                 await upstream.conn.aclose(EngineClosedError("RemoteEngine closed"))
         self._connected.set()  # waiting callers see _closed
-        self._outbound.flush()
-        asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)
+        self._flush()

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from ..engine import AudioChunk
 from ..errors import EngineError, missing_extra
+from ..types import AudioChunk
 
 try:
     from websockets.asyncio.client import ClientConnection, connect, unix_connect

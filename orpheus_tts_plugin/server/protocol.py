@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..config import SAMPLING_FIELDS, SamplingOverrides, SamplingParams
-from ..engine import AudioChunk
 from ..errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
+from ..types import AudioChunk
 
 PROTOCOL_VERSION = 1
 WS_PATH = "/v1/stream"

@@ -10,9 +10,10 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
-from ..engine import AudioChunk, OrpheusEngine
+from ..engine import OrpheusEngine
 from ..errors import EngineError, EngineOverloadedError
 from ..spec import SAMPLE_RATE
+from ..types import AudioChunk
 from . import protocol
 from .metrics import Metrics
 from .policy import LimitError, Policy, StreamLimitError

@@ -21,9 +21,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Send
 
 from ..config import SAMPLING_FIELDS, SamplingOverrides
-from ..engine import AudioChunk
 from ..errors import EngineError
 from ..spec import SAMPLE_RATE
+from ..types import AudioChunk
 from . import protocol
 from .http_errors import error_response
 from .policy import LimitError, Policy

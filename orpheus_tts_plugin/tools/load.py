@@ -35,8 +35,9 @@ from .bench.figures import Utterance, capacity, report, summarize
 from .bench.utterances import UTTERANCES
 
 if TYPE_CHECKING:
-    from ..engine import AudioChunk, OrpheusEngine
+    from ..engine import OrpheusEngine
     from ..server.connection import Connection
+    from ..types import AudioChunk
 
 SCHEMES = ("reuse", "fresh", "in-process")
 START_MARGIN_S = 1.0  # workers connect first, then all start together this long after the point is handed out

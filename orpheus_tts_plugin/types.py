@@ -1,0 +1,158 @@
+"""What callers of an engine see: audio chunks, checked options, a speech stream, and the engine's interface.
+
+Used alike by `OrpheusEngine` (in process), `RemoteEngine` (over a socket), the framework adapters and
+the server, so it imports nothing of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .config import SamplingOverrides, SamplingParams
+from .spec import SAMPLE_RATE, ModelSpec
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """A piece of one stream's audio: int16 little-endian mono PCM.
+
+    `utterance` is the index of the sentence it belongs to (in `Speech.sentences`); `utterance_end` marks
+    that sentence's last chunk, `final` the stream's.
+    """
+
+    pcm: bytes
+    start_sample: int
+    final: bool
+    sample_rate: int = SAMPLE_RATE
+    utterance: int = 0
+    utterance_end: bool = False
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.pcm) // 2
+
+
+@dataclass(frozen=True)
+class SpeechOptions:
+    """A request's voice and sampling as an engine checked them (`check_options`): kept and passed as they are.
+
+    `sampling` is complete (the engine's defaults filled in); `overrides` is what the caller set, which is what
+    travels to a server (it fills in its own defaults). Reads as the `(voice, sampling)` pair that
+    `check_options` returned before it returned this.
+    """
+
+    voice: str | None
+    sampling: SamplingParams
+    overrides: SamplingOverrides = SamplingOverrides()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.voice, self.sampling))
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.voice, self.sampling)[index]
+
+    def __len__(self) -> int:
+        return 2
+
+    @classmethod
+    def check(
+        cls,
+        spec: ModelSpec,
+        defaults: SamplingParams,
+        voice: str | None,
+        sampling: SamplingOverrides | None,
+        **changes: Any,
+    ) -> SpeechOptions:
+        """`voice` and the sampling overrides checked against `spec` and applied to `defaults`; TypeError/ValueError."""
+        overrides = SamplingOverrides.of(sampling, **changes)
+        return cls(spec.check_voice(voice), overrides.apply(defaults), overrides)
+
+    @staticmethod
+    def chosen(
+        given: SpeechOptions | None,
+        check: Callable[..., SpeechOptions],
+        voice: str | None,
+        sampling: Any,
+        **changes: Any,
+    ) -> SpeechOptions:
+        """A synthesize call's options: `given` as it is (checked before), else `check(voice, sampling, **changes)`."""
+        if given is None:
+            return check(voice, sampling, **changes)
+        if not isinstance(given, SpeechOptions):
+            raise TypeError(f"options must be SpeechOptions (from check_options), got {type(given).__name__}")
+        if voice is not None or sampling is not None or changes:
+            raise TypeError("pass either options or voice/sampling values, not both")
+        return given
+
+
+class Speech:
+    """One `synthesize` call: an async iterator of its AudioChunks that knows the sentences it speaks.
+
+    `sentences[i]` is the text of the chunks whose `utterance` is i, split once, by the engine that speaks
+    them. Iterate it, or leave early with `aclose()` (which aborts the generation within one engine step).
+    """
+
+    __slots__ = ("_chunks", "sentences")
+
+    def __init__(self, sentences: Sequence[str], chunks: AsyncGenerator[AudioChunk, None]):
+        self.sentences: tuple[str, ...] = tuple(sentences)
+        self._chunks = chunks
+
+    def __aiter__(self) -> AsyncIterator[AudioChunk]:
+        return self
+
+    async def __anext__(self) -> AudioChunk:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+    async def athrow(self, *args: Any) -> AudioChunk:
+        return await self._chunks.athrow(*args)
+
+    async def asend(self, value: None) -> AudioChunk:
+        return await self._chunks.asend(value)
+
+
+class SpeechEngine(Protocol):
+    """What the framework adapters use of an engine: `OrpheusEngine` in process, `RemoteEngine` over a socket."""
+
+    config: Any  # .model and .backend name what it runs
+    spec: ModelSpec
+
+    def synthesize(
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        sampling: SamplingOverrides | None = None,
+        options: SpeechOptions | None = None,
+        **overrides: Any,
+    ) -> Speech: ...
+
+    def check_options(
+        self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: Any
+    ) -> SpeechOptions: ...
+
+    def sentences(self, text: str) -> list[str]: ...
+
+    async def start(self) -> None: ...
+
+    def prewarm(self) -> None: ...
+
+    @property
+    def started(self) -> bool: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    @property
+    def load(self) -> float: ...
+
+    async def aclose(self) -> None: ...

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .backends.base import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
+from .backends.protocol import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
 from .codes import FrameParser
 from .config import EngineConfig, SamplingOverrides, SamplingParams
 from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
+from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.remote import CustomTokenText, RemoteBackend
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.prompt import prompt_ids

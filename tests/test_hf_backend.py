@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.hf import HFBackend
+from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import CODEBOOK_SIZE, ENGLISH, TOKENS_PER_FRAME
 from orpheus_tts_plugin.tools.testmodel import make_test_model

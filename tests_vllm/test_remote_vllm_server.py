@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from conftest import PYTHON, free_port, invalid_positions, run_server
 
-from orpheus_tts_plugin.backends.base import FinishReason, GenerationRequest
+from orpheus_tts_plugin.backends.protocol import FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.remote import RemoteBackend
 from orpheus_tts_plugin.backends.vllm_logits import FQCN
 from orpheus_tts_plugin.codes import FrameParser

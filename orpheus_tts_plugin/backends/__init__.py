@@ -6,7 +6,7 @@ from typing import Any
 
 from ..config import BACKENDS, EngineConfig
 from ..spec import ModelSpec, spec_for
-from .base import BackendError, FinishReason, GenerationRequest, TokenBackend, TokenStream
+from .protocol import BackendError, FinishReason, GenerationRequest, TokenBackend, TokenStream
 
 __all__ = [
     "BackendError",

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..spec import CODEBOOK_SIZE, ENGLISH, TOKENS_PER_FRAME, ModelSpec
-from .base import FinishReason, GenerationRequest, SteppedBackend
+from .protocol import FinishReason, GenerationRequest
 from .sampling import penalize, reference_penalize, reference_sample, sample, uniforms
+from .stepped import SteppedBackend
 
 COLUMNS = CODEBOOK_SIZE + 1  # a frame position's sub-vocab: its 4,096 codes, then end of speech
 SAMPLERS = ("fast", "reference")

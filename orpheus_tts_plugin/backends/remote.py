@@ -24,7 +24,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("the remote backend needs aiohttp: pip install 'orpheus-tts-plugin[remote]'") from exc
 
 from ..spec import CODEBOOK_SIZE, ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop, continuation
+from .protocol import BackendError, FinishReason, GenerationRequest, check_loop
+from .pumped import RequestCounts, continuation
 
 # How each server family wants a completion request: prompt as ids or text, and which non-OpenAI fields it takes
 # (trtllm-serve and transformers serve reject unknown fields, so each dialect sends only what its server knows).

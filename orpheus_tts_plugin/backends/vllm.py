@@ -15,8 +15,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, PumpedStream, RequestCounts, check_loop
 from .checkpoint import CheckpointQuantization, checkpoint_quantization
+from .protocol import BackendError, FinishReason, GenerationRequest, check_loop
+from .pumped import PumpedStream, RequestCounts
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ def prompt_ids(row: int) -> tuple[int, ...]:
 
 def time_steps(backend: Any, batch: int, steps: int, sync: Callable[[], None]) -> dict[str, float]:
     """Admit `batch` requests, warm up, time `steps` decode steps on this thread, release them."""
-    from ...backends.base import GenerationRequest
+    from ...backends.protocol import GenerationRequest
 
     rows = []
     for i in range(batch):

@@ -77,15 +77,6 @@ def import_vllm() -> SimpleNamespace:
     )
 
 
-# ---- the checkpoint's own quantisation (read by checkpoint.py) ----
-
-
-def is_prequantized(model: str) -> bool:
-    """True if a local or cached checkpoint carries its own quantisation (e.g. ModelOpt FP8 from `quantize`)."""
-    quant = checkpoint_quantization(model)
-    return quant is not None and quant.method is not None
-
-
 class VllmBackend:
     """Token generation on vLLM's AsyncLLM; one vLLM request per stream, aborted when the stream closes."""
 

@@ -549,8 +549,7 @@ class OrpheusEngine:
         device = resolve_device(cfg.device)
         source = cfg.tokenizer or cfg.model
         try:
-            if cfg.backend != "remote" or cfg.tokenizer:
-                await asyncio.to_thread(require_weights, "the tokenizer", source, TOKENIZER)
+            await asyncio.to_thread(require_weights, "the tokenizer", source, TOKENIZER)
             self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
         except (OSError, ValueError) as exc:
             raise load_error("the tokenizer", source, exc) from exc

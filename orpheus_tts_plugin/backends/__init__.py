@@ -39,8 +39,7 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
 
         # On CUDA the eager step is bound by its ~1,000 kernel launches (H200: 50 ms a step at 1-64 rows, a
         # quarter of real time); its captured graphs take 4.8-6.2 ms (docs/benchmarks.md).
-        fast = options.get("sampler", "fast") == "fast"
-        options.setdefault("cuda_graphs", fast and device.startswith("cuda"))
+        options.setdefault("cuda_graphs", device.startswith("cuda"))
         return HFBackend(
             config.model,
             device=device,

@@ -119,7 +119,10 @@ class SyntheticConfig:
             raise TypeError(f"endless must be a bool, got {type(self.endless).__name__}")
 
 
-BACKENDS = ("hf", "synthetic", "trtllm", "vllm", "remote")
+BACKENDS = ("hf", "synthetic", "trtllm", "vllm", "openai-completions", "remote")
+# Backends whose model runs on an OpenAI-compatible completions server; "remote" is the old name of
+# "openai-completions", with the server's URL in `model` unless `completions_url` is set.
+COMPLETIONS_BACKENDS = ("openai-completions", "remote")
 DECODERS = ("snac", "null")
 
 
@@ -127,9 +130,9 @@ DECODERS = ("snac", "null")
 class EngineConfig:
     """Everything that defines an engine; equal configs share one process-wide engine."""
 
-    model: str | None = "canopylabs/orpheus-3b-0.1-ft"  # hub id or local dir (remote: the server URL)
+    model: str | None = "canopylabs/orpheus-3b-0.1-ft"  # hub id or local dir (remote, the old name: the server URL)
     snac: str = "hubertsiuzdak/snac_24khz"
-    backend: str = "hf"  # hf | synthetic | trtllm | vllm | remote
+    backend: str = "hf"  # hf | synthetic | trtllm | vllm | openai-completions (remote: its old name)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     model_family: str = "orpheus-en"
     tokenizer: str | None = None  # defaults to `model`
@@ -151,10 +154,18 @@ class EngineConfig:
     sampling: SamplingParams = SamplingParams()
     synthetic: SyntheticConfig = SyntheticConfig()
     backend_options: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments for the backend
+    completions_url: str | None = None  # openai-completions: the server's URL (`model` names the tokenizer)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.backend in COMPLETIONS_BACKENDS:
+            if not self.completions_server:
+                raise ValueError(f"backend {self.backend!r} needs completions_url, the server's URL")
+            if self.completions_url is None and self.tokenizer is None:
+                raise ValueError("backend 'remote': model is the server URL; set tokenizer")
+        elif self.completions_url is not None:
+            raise ValueError(f"completions_url is for backend 'openai-completions', not {self.backend!r}")
         if self.decoder not in DECODERS:
             raise ValueError(f"unknown decoder {self.decoder!r}; choose one of {', '.join(DECODERS)}")
         check_int("max_streams", self.max_streams, 1)
@@ -173,6 +184,13 @@ class EngineConfig:
         check_number("token_budget_per_char", self.token_budget_per_char, lo=0.0)
         check_int("token_budget_base", self.token_budget_base, 0)
         self.sampling.validate()
+
+    @property
+    def completions_server(self) -> str | None:
+        """The completions server's URL: `completions_url`, or `model` under the old name "remote"; else None."""
+        if self.backend not in COMPLETIONS_BACKENDS:
+            return None
+        return self.completions_url or (self.model if self.backend == "remote" else None)
 
     @property
     def batch_size(self) -> int:

@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .backends.base import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
+from .backends.protocol import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
 from .codes import FrameParser
 from .config import EngineConfig, SamplingOverrides
 from .decode_worker import CallerStream, DecodeWorker, Utterance
@@ -179,8 +179,7 @@ class OrpheusEngine:
         device = resolve_device(cfg.device)
         source = cfg.tokenizer or cfg.model
         try:
-            if cfg.backend != "remote" or cfg.tokenizer:
-                await asyncio.to_thread(require_weights, "the tokenizer", source, TOKENIZER)
+            await asyncio.to_thread(require_weights, "the tokenizer", source, TOKENIZER)
             self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
         except (OSError, ValueError) as exc:
             raise load_error("the tokenizer", source, exc) from exc

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from .config import EngineConfig
+from .config import COMPLETIONS_BACKENDS, EngineConfig
 from .device import resolve_device
 from .spec import spec_for
 from .weights import require_weights, weight_sources
@@ -31,8 +31,8 @@ def check_before_load(config: EngineConfig, voice: str | None = None) -> None:
 def require_framework(backend: str) -> None:
     """ImportError saying how to install it if `backend`'s framework is not installed at all (found, not imported:
     a framework that is there but fails to import is reported when the backend loads)."""
-    if backend == "remote":  # light: its module's ImportError names the extra
-        importlib.import_module(f"{__package__}.backends.remote")
+    if backend in COMPLETIONS_BACKENDS:  # light: its module's ImportError names the extra
+        importlib.import_module(f"{__package__}.backends.openai_completions")
     package = _FRAMEWORKS.get(backend)
     if package is not None and importlib.util.find_spec(package) is None:
         hint = importlib.import_module(f"{__package__}.backends.{backend}").INSTALL_HINT

@@ -9,7 +9,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from .config import EngineConfig
+from .config import COMPLETIONS_BACKENDS, EngineConfig
 from .errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def weight_sources(config: EngineConfig) -> list[tuple[str, str, Checkpoint | No
         sources.append(("the tokenizer", config.tokenizer or config.model, TOKENIZER))
     if config.decoder == "snac":
         sources.append(("SNAC", config.snac, SNAC))
-    if config.backend not in ("synthetic", "remote") and config.model:
+    if config.backend not in ("synthetic", *COMPLETIONS_BACKENDS) and config.model:
         sources.append((f"the {config.backend} model", config.model, None))
     return sources
 

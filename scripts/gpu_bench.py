@@ -295,7 +295,7 @@ def graphs_match_eager(model: torch.nn.Module, plan: Plan, device: str, prompt: 
     bf16 reductions may differ between the two (the static step attends over a length bucket), so a late
     divergence is numerics; an early one is a defect.
     """
-    from orpheus_tts_plugin.backends.base import GenerationRequest
+    from orpheus_tts_plugin.backends.protocol import GenerationRequest
     from orpheus_tts_plugin.config import SamplingParams
 
     out: dict[str, list[int]] = {}
@@ -318,7 +318,7 @@ def _time_of_token(arrivals: list[tuple[float, int]], n: int) -> float | None:
 
 
 async def _backend_point(backend: Any, prompt: tuple[int, ...], n: int, tokens: int, clock: Clock) -> dict[str, Any]:
-    from orpheus_tts_plugin.backends.base import GenerationRequest
+    from orpheus_tts_plugin.backends.protocol import GenerationRequest
     from orpheus_tts_plugin.config import SamplingParams
 
     arrivals: list[list[tuple[float, int]]] = [[] for _ in range(n)]

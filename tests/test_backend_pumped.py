@@ -13,15 +13,8 @@ from typing import Any
 
 import pytest
 
-from orpheus_tts_plugin.backends.base import (
-    BackendError,
-    FinishReason,
-    GenerationRequest,
-    PausableStream,
-    PumpedStream,
-    RequestCounts,
-    continuation_seed,
-)
+from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, GenerationRequest, PausableStream
+from orpheus_tts_plugin.backends.pumped import PumpedStream, RequestCounts, continuation_seed
 from orpheus_tts_plugin.config import SEED_LIMIT, SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
 

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest, continuation_seed
+from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, GenerationRequest
+from orpheus_tts_plugin.backends.pumped import continuation_seed
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH, TOKENS_PER_FRAME
 from tests.trtllm_standin import LLM, CudaGraphConfig, KvCacheConfig, install

@@ -19,7 +19,8 @@ from typing import Any, TypedDict
 
 import pytest
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest, continuation_seed
+from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, GenerationRequest
+from orpheus_tts_plugin.backends.pumped import continuation_seed
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
 

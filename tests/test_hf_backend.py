@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.hf import HFBackend
+from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import CODEBOOK_SIZE, ENGLISH, TOKENS_PER_FRAME
+from orpheus_tts_plugin.tools.bench.reference_sampler import ReferenceHFBackend
 from orpheus_tts_plugin.tools.testmodel import make_test_model
 
 SPEC = ENGLISH
@@ -37,14 +38,24 @@ def reference(orpheus_dir: str):
     return AutoModelForCausalLM.from_pretrained(orpheus_dir).eval()
 
 
-# The backend variants: the fast sampler (default), the reference sampler, the static-shape step that CUDA
-# graphs capture (run eagerly here: no GPU on the build machine).
-VARIANTS = {"fast": {}, "reference": {"sampler": "reference"}, "static": {"static_shapes": True}}
+# The backend variants: the fast sampler (default), the reference sampler (the benchmarks' subclass), the
+# static-shape step that CUDA graphs capture (run eagerly here: no GPU on the build machine).
+VARIANTS: dict[str, tuple[type[HFBackend], dict[str, Any]]] = {
+    "fast": (HFBackend, {}),
+    "reference": (ReferenceHFBackend, {}),
+    "static": (HFBackend, {"static_shapes": True}),
+}
+
+
+def variant_backend(orpheus_dir: str, variant: str, **kw: Any) -> HFBackend:
+    """An unstarted backend of the variant (4 rows, 128 positions unless `kw` says otherwise)."""
+    kind, options = VARIANTS[variant]
+    return kind(orpheus_dir, **{"max_batch_size": 4, "max_seq_len": 128, **options, **kw})
 
 
 @contextlib.asynccontextmanager
 async def started(orpheus_dir: str, variant: str = "fast", **kw: Any) -> AsyncIterator[HFBackend]:
-    backend = HFBackend(orpheus_dir, **{"max_batch_size": 4, "max_seq_len": 128, **VARIANTS[variant], **kw})
+    backend = variant_backend(orpheus_dir, variant, **kw)
     await backend.start()
     try:
         yield backend
@@ -90,7 +101,7 @@ async def collect(stream) -> tuple[list[int], str | None]:
 
 @pytest.mark.parametrize("slots", [[0, 1, 2], [1, 4, 6]])
 def test_forward_matches_hf_prefill_and_batched_decode(orpheus_dir: str, reference, slots: list[int]) -> None:
-    backend = HFBackend(orpheus_dir, max_batch_size=8, max_seq_len=64)
+    backend = ReferenceHFBackend(orpheus_dir, max_batch_size=8, max_seq_len=64)  # also its audio-only logits
     backend._load()
     prompts = [torch.tensor(prompt(n, seed=n)) for n in (3, 14, 29)]
     gen = torch.Generator().manual_seed(7)
@@ -225,13 +236,13 @@ async def test_end_of_speech_only_at_a_frame_boundary(any_backend: HFBackend) ->
     """Make end of speech the model's favourite from the 10th step on: constrained, it waits for k == 0."""
     backend = any_backend
     logits, phase_logits, calls = backend.logits, backend.phase_logits, [0]
-    eos_col = int((backend.audio_ids == SPEC.end_of_speech).nonzero())
+    eos_col = SPEC.audio_ids.index(SPEC.end_of_speech)
 
-    def favour_eos(hidden: torch.Tensor, audio_only: bool = False) -> torch.Tensor:
-        out = logits(hidden, audio_only)
+    def favour_eos(hidden: torch.Tensor, **kw: bool) -> torch.Tensor:
+        out = logits(hidden, **kw)  # the reference variant's audio_only: its logits over the audio ids only
         calls[0] += 1
         if calls[0] > 10:
-            out[:, eos_col if audio_only else SPEC.end_of_speech] += 100.0
+            out[:, eos_col if kw.get("audio_only") else SPEC.end_of_speech] += 100.0
         return out
 
     def favour_eos_column(hidden: torch.Tensor, phase: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
@@ -368,9 +379,8 @@ def test_the_captured_step_never_reads_device_data_on_the_host(orpheus_dir: str)
         backend._static_step(meta, length)
     assert ops.names and not [n for n in ops.names if n.split(".")[0] in HOST_READS]
     assert "lift_fresh" not in {n.split(".")[0] for n in ops.names}  # no host value copied in (a capture fails)
-    backend.static_shapes = False  # the eager step as on CUDA: branch free, one product for all positions
-    with RecordOps() as ops:
-        backend._step(rows)
+    with RecordOps() as ops, torch.inference_mode():  # the eager step as on CUDA: branch free, one head product
+        backend._decode(rows)
     assert not [n for n in ops.names if n.split(".")[0] in HOST_READS]
 
 
@@ -380,7 +390,7 @@ def test_a_paused_row_resumes_with_the_tokens_it_would_have_had(orpheus_dir: str
     penalty state: padding rows of a static bucket must not write into a live slot."""
 
     def run(pause: range) -> list[list[int]]:
-        backend = HFBackend(orpheus_dir, max_batch_size=4, max_seq_len=64, **VARIANTS[variant])
+        backend = variant_backend(orpheus_dir, variant, max_seq_len=64)
         backend._load()
         sampling = [SamplingParams(seed=n, top_p=0.9, repetition_penalty=1.3) for n in (1, 2)]
         rows = [backend._admit(request(prompt(4, n), s, max_new=40, constrain=True)) for n, s in enumerate(sampling)]
@@ -401,7 +411,6 @@ def test_a_paused_row_resumes_with_the_tokens_it_would_have_had(orpheus_dir: str
     [
         ("cuda", {}, True),
         ("cpu", {}, False),
-        ("cuda", {"sampler": "reference"}, False),
         ("cuda", {"cuda_graphs": False}, False),
     ],
 )

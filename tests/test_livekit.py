@@ -20,7 +20,7 @@ from livekit.agents.tts import SynthesizedAudio, TTSError
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin import livekit as orpheus
-from orpheus_tts_plugin.backends.base import FinishReason
+from orpheus_tts_plugin.backends.protocol import FinishReason
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.spec import SAMPLE_RATE
 

@@ -56,7 +56,7 @@ from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from pipecat.workers.runner import WorkerRunner
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
-from orpheus_tts_plugin.backends.base import GenerationRequest
+from orpheus_tts_plugin.backends.protocol import GenerationRequest
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.pipecat import OrpheusTTSService
 from orpheus_tts_plugin.spec import SAMPLE_RATE

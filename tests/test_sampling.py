@@ -10,11 +10,11 @@ from orpheus_tts_plugin.backends.sampling import (
     draw,
     penalize,
     radix_nucleus,
-    reference_sample,
     sample,
     topk_nucleus,
     uniforms,
 )
+from orpheus_tts_plugin.tools.bench.reference_sampler import reference_sample
 
 # Significance of each goodness-of-fit test. Draws are seeded, so a test passes or fails the same way every run.
 # Power: a sampler off by total variation d raises chi-square's mean by >= 4 N d^2 (Cauchy-Schwarz), so at

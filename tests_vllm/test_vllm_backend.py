@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import invalid_positions
 
-from orpheus_tts_plugin.backends.base import FinishReason, GenerationRequest
+from orpheus_tts_plugin.backends.protocol import FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.vllm import MIN_VLLM, VllmBackend, VllmStream, import_vllm, parse_version
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH

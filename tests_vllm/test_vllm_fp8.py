@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import invalid_positions
 
-from orpheus_tts_plugin.backends.base import FinishReason, GenerationRequest
+from orpheus_tts_plugin.backends.protocol import FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.vllm import VllmBackend, cpu_has_fp8_kv_kernels
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import BACKENDS, EngineConfig
+from ..config import BACKENDS, COMPLETIONS_BACKENDS, EngineConfig
 from ..spec import ModelSpec, spec_for
-from .base import BackendError, FinishReason, GenerationRequest, TokenBackend, TokenStream
+from .protocol import BackendError, FinishReason, GenerationRequest, TokenBackend, TokenStream
 
 __all__ = [
     "BackendError",
@@ -27,6 +27,11 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
         from .synthetic import SyntheticBackend
 
         return SyntheticBackend(config.synthetic, spec=spec, max_batch_size=config.batch_size, **options)
+    if name in COMPLETIONS_BACKENDS:  # the server holds the model
+        from .openai_completions import OpenAICompletionsBackend
+
+        options.setdefault("tokenizer", config.tokenizer or config.model)
+        return OpenAICompletionsBackend(config.completions_server, spec=spec, **options)
     if config.model is None:
         raise ValueError(f"backend {name!r} needs EngineConfig.model")
     if name == "hf":
@@ -34,8 +39,7 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
 
         # On CUDA the eager step is bound by its ~1,000 kernel launches (H200: 50 ms a step at 1-64 rows, a
         # quarter of real time); its captured graphs take 4.8-6.2 ms (docs/benchmarks.md).
-        fast = options.get("sampler", "fast") == "fast"
-        options.setdefault("cuda_graphs", fast and device.startswith("cuda"))
+        options.setdefault("cuda_graphs", device.startswith("cuda"))
         return HFBackend(
             config.model,
             device=device,
@@ -61,13 +65,6 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
             max_seq_len=config.max_seq_len,
             **options,
         )
-    if name == "remote":
-        from .remote import RemoteBackend
-
-        if config.tokenizer is None:
-            raise ValueError("backend 'remote': EngineConfig.model is the server URL; set EngineConfig.tokenizer")
-        options.setdefault("tokenizer", config.tokenizer)
-        return RemoteBackend(config.model, spec=spec, **options)
     raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 

@@ -8,8 +8,8 @@ scaling is HF's) and SDPA with a per-row mask.
 A row that is constrained to audio (the engine's default) computes only the logits its frame position can
 take: the position's 4,096 codes and end of speech (`spec.allowed_ids`), a slice of lm_head. Its repetition
 penalty reads a per-slot table over those columns, and `sampling.sample` draws the top-p nucleus without
-sorting; one host sync per step (the chosen ids). `sampler="reference"` keeps the sampler this replaced
-(all 28,673 audio logits, full sort), for side-by-side benchmarks.
+sorting; one host sync per step (the chosen ids). The sampler this replaced (all 28,673 audio logits, full
+sort) is `tools/bench/reference_sampler.py`'s subclass, for side-by-side benchmarks.
 
 Static shapes (`static_shapes=True`, implied by `cuda_graphs=True`): the decode step runs over the cache
 window [0, bucket) with the bucket a power of two, padding rows inactive, attention over the whole cache
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,15 +31,16 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..spec import CODEBOOK_SIZE, ENGLISH, TOKENS_PER_FRAME, ModelSpec
-from .base import FinishReason, GenerationRequest, SteppedBackend
-from .sampling import penalize, reference_penalize, reference_sample, sample, uniforms
+from .protocol import FinishReason, GenerationRequest
+from .sampling import penalize, sample, uniforms
+from .stepped import SteppedBackend
 
 COLUMNS = CODEBOOK_SIZE + 1  # a frame position's sub-vocab: its 4,096 codes, then end of speech
-SAMPLERS = ("fast", "reference")
+_UNLOADED = torch.empty(0)  # what a model-sized tensor holds until _load
 
 
 @dataclass
-class _Row:
+class Row:
     """State of one live request: its KV cache slot and where it stands (stepping thread)."""
 
     req: GenerationRequest
@@ -48,7 +50,6 @@ class _Row:
     generated: int
     stop_ids: frozenset[int]
     seed: int  # counter-based draws: uniform k of this row = hash(seed, k)
-    generator: torch.Generator | None  # the reference sampler's per-row generator (seeded requests)
 
 
 class HFBackend(SteppedBackend):
@@ -64,7 +65,6 @@ class HFBackend(SteppedBackend):
         max_batch_size: int = 64,
         max_seq_len: int = 4096,
         spec: ModelSpec = ENGLISH,
-        sampler: str = "fast",
         top_k: int = 64,
         cuda_graphs: bool = False,
         static_shapes: bool | None = None,
@@ -72,29 +72,48 @@ class HFBackend(SteppedBackend):
         super().__init__(max_batch_size)
         if max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
-        if sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
         if top_k < 1:
             raise ValueError("top_k must be >= 1")
+        on = torch.device(device)
+        if cuda_graphs and on.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device, got {device!r}")
+        # Options: set here, read-only afterwards (any thread).
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self._preloaded = None if isinstance(model, str) else model
-        self.device = torch.device(device)
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs needs a CUDA device, got {device!r}")
+        self.device = on
         self.static_shapes = cuda_graphs if static_shapes is None else static_shapes
-        if self.static_shapes and sampler != "fast":
-            raise ValueError("static_shapes and cuda_graphs need sampler='fast'")
         self.cuda_graphs = cuda_graphs
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = dtype or (torch.bfloat16 if on.type == "cuda" else torch.float32)
         self.max_seq_len = max_seq_len
         self.spec = spec
-        self.sampler = sampler
         self.top_k = top_k
         # CPU splits rows by sampling path (reading flags is free there); CUDA never branches on device data.
-        self.branch_free = self.static_shapes or self.device.type == "cuda"
-        self.model = None
+        self.branch_free = self.static_shapes or on.type == "cuda"
+        self.buckets = _buckets(max_batch_size)  # cache rows a static step covers
+        self.length_buckets = _buckets(max_seq_len, start=min(64, max_seq_len))  # keys a static step attends over
+        # How a step decodes its rows, chosen once: the static step where shapes are static, else the eager one.
+        self._decode_rows: Callable[[list[Row]], list[int]] = (
+            self._decode_static if self.static_shapes else self._decode
+        )
+        # Filled by _load and owned by the stepping thread from then on (close() drops it once that has ended).
+        self.model: torch.nn.Module | None = None
+        self.head_dim = 0
+        self.vocab_size = 0
+        self.k_cache: list[torch.Tensor] = []  # per layer: (slot, kv head, position, head_dim)
+        self.v_cache: list[torch.Tensor] = []
+        self.free_slots = list(range(max_batch_size))  # a heap: the lowest free slot is taken first
+        self.col_ids = _UNLOADED  # (7, 4097): id of each column at each frame position
+        self.col_bias = _UNLOADED  # (7, 4097): 0 where the position allows the column, else -inf
+        self.eos_bias = _UNLOADED  # (7,): the end-of-speech column's bias, the only column that is ever -inf
+        self.head_codes = _UNLOADED  # lm_head rows of every code: row k*4096 + c is code c at position k (a view)
+        self.head_eos = _UNLOADED  # lm_head row of end of speech (a view)
+        self.seen = _UNLOADED  # (slot, vocab) bool: ids seen, for the penalty of unconstrained rows
+        self.audio_seen = _UNLOADED  # (slot, 7, 4097): 1.0 where the column was seen (floats: the penalty multiplies)
+        self.slot_sampling = _UNLOADED  # (slot, 3): temperature, top_p, repetition penalty
+        self.slot_seed = _UNLOADED  # (slot,): the seed of each slot's counter-based uniforms
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
-    # -- model (everything below is owned by the stepping thread) --
+    # -- model (everything below runs on the stepping thread) --
     @torch.inference_mode()
     def _load(self) -> None:
         """Load the model, allocate the KV cache, the per-position head tables and the per-slot sampling state."""
@@ -112,19 +131,12 @@ class HFBackend(SteppedBackend):
         self.k_cache = [torch.zeros(shape, **kw) for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [torch.zeros(shape, **kw) for _ in range(cfg.num_hidden_layers)]
         self.vocab_size = self.model.lm_head.weight.shape[0]
-        self.free_slots = list(range(self.max_batch_size))
         self._build_head_tables()
         dev, n = self.device, self.max_batch_size
-        self.seen = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=dev)  # by id: reference, unconstrained
-        # By column, 1.0 where seen: floats, as the penalty multiplies by them.
+        self.seen = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=dev)
         self.audio_seen = torch.zeros(n, TOKENS_PER_FRAME, COLUMNS, device=dev)
-        self.slot_sampling = torch.tensor([[0.0, 1.0, 1.0]] * n, device=dev)  # temperature, top_p, penalty
+        self.slot_sampling = torch.tensor([[0.0, 1.0, 1.0]] * n, device=dev)
         self.slot_seed = torch.zeros(n, dtype=torch.long, device=dev)
-        self.shared_generator = torch.Generator(dev)
-        self.shared_generator.seed()
-        self.buckets = _buckets(self.max_batch_size)  # cache rows a static step covers
-        self.length_buckets = _buckets(self.max_seq_len, start=min(64, self.max_seq_len))  # keys it attends over
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         if self.cuda_graphs:
             self._capture_graphs()
 
@@ -142,18 +154,13 @@ class HFBackend(SteppedBackend):
             ids[k, :CODEBOOK_SIZE] = codes
             allowed[k, :CODEBOOK_SIZE] = True
             allowed[k, CODEBOOK_SIZE] = eos in valid
-        self.col_ids = torch.from_numpy(ids).to(self.device)  # (7, 4097): id of each column at each position
-        self.col_bias = torch.zeros(allowed.shape).masked_fill_(torch.from_numpy(~allowed), float("-inf"))
-        self.col_bias = self.col_bias.to(self.device)  # (7, 4097): 0 where allowed, else -inf
-        self.eos_bias = self.col_bias[:, CODEBOOK_SIZE].contiguous()  # the only column that is ever -inf
+        self.col_ids = torch.from_numpy(ids).to(self.device)
+        bias = torch.zeros(allowed.shape).masked_fill_(torch.from_numpy(~allowed), float("-inf"))
+        self.col_bias = bias.to(self.device)
+        self.eos_bias = self.col_bias[:, CODEBOOK_SIZE].contiguous()
         w, lo = self.model.lm_head.weight, spec.first_audio_token
-        self.head_codes = w[lo : lo + TOKENS_PER_FRAME * CODEBOOK_SIZE]  # views: row k*4096 + c is code c at k
+        self.head_codes = w[lo : lo + TOKENS_PER_FRAME * CODEBOOK_SIZE]
         self.head_eos = w[eos : eos + 1]
-        # The reference sampler's audio-only head: sub-vocab j < 7*4096 is id first_audio_token + j, then eos.
-        n_audio = TOKENS_PER_FRAME * CODEBOOK_SIZE
-        self.audio_lo = lo
-        self.audio_ids = torch.tensor(spec.audio_ids, device=self.device)
-        self.audio_phase = torch.cat([torch.arange(n_audio) // CODEBOOK_SIZE, torch.tensor([0])]).to(self.device)
 
     def forward(self, ids: torch.Tensor, slots: list[int], starts: list[int]) -> torch.Tensor:
         """Run ids (n, T) at positions starts[i].. in KV slots[i] (ascending); the final hidden (n, T, D)."""
@@ -201,14 +208,9 @@ class HFBackend(SteppedBackend):
         return model.norm(x)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, audio_only: bool = False) -> torch.Tensor:
-        """float32 logits of hidden (..., D): over the whole vocab, or over `audio_ids` only (same values)."""
-        w = self.model.lm_head.weight
-        if not audio_only:
-            return self.model.lm_head(hidden).float()
-        eos = self.spec.end_of_speech
-        audio = F.linear(hidden, w[self.audio_lo : self.audio_lo + len(self.audio_ids) - 1])
-        return torch.cat([audio, F.linear(hidden, w[eos : eos + 1])], dim=-1).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of hidden (..., D) over the whole vocab."""
+        return self.model.lm_head(hidden).float()
 
     @torch.inference_mode()
     def phase_logits(
@@ -242,7 +244,7 @@ class HFBackend(SteppedBackend):
 
     # -- stepping hooks --
     @torch.inference_mode()
-    def _admit(self, req: GenerationRequest) -> _Row:
+    def _admit(self, req: GenerationRequest) -> Row:
         """Check the request, take a KV slot, prefill all but the last prompt id, reset the slot's sampling state."""
         ids = req.prompt_ids
         if not ids:
@@ -263,10 +265,7 @@ class HFBackend(SteppedBackend):
         except BaseException:
             heapq.heappush(self.free_slots, slot)
             raise
-        gen = None
-        if self.sampler == "reference" and s.seed is not None:
-            gen = torch.Generator(self.device).manual_seed(s.seed)
-        return _Row(req, slot, len(ids) - 1, ids[-1], 0, frozenset(req.stop_ids), seed, gen)
+        return Row(req, slot, len(ids) - 1, ids[-1], 0, frozenset(req.stop_ids), seed)
 
     def _reset_slot(
         self, slot: int, prompt: tuple[int, ...], temperature: float, top_p: float, penalty: float, seed: int
@@ -294,16 +293,11 @@ class HFBackend(SteppedBackend):
         return out
 
     @torch.inference_mode()
-    def _step(self, states: list[_Row]) -> list[tuple[list[int], str | None]]:
+    def _step(self, states: list[Row]) -> list[tuple[list[int], str | None]]:
         """One batched decode forward over every live row, then sampling; new ids and finish reasons."""
         order = sorted(range(len(states)), key=lambda i: states[i].slot)
         rows = [states[i] for i in order]
-        if self.sampler == "reference":
-            new = self._decode_reference(rows)
-        elif self.static_shapes and all(r.req.constrain_audio for r in rows):
-            new = self._decode_static(rows)
-        else:
-            new = self._decode(rows)
+        new = self._decode_rows(rows)
         out: list[tuple[list[int], str | None]] = [([], None)] * len(rows)
         for i, (row, tok) in enumerate(zip(rows, new, strict=True)):
             row.pos += 1
@@ -317,7 +311,7 @@ class HFBackend(SteppedBackend):
                 out[order[i]] = ([tok], None)
         return out
 
-    def _decode(self, rows: list[_Row]) -> list[int]:
+    def _decode(self, rows: list[Row]) -> list[int]:
         """Forward and sample the rows (ascending slots) as they are, no padding; the chosen ids."""
         meta = torch.tensor([[r.slot, r.pos, r.last, r.generated] for r in rows], device=self.device)
         slots, pos, last, count = meta.unbind(1)
@@ -335,7 +329,7 @@ class HFBackend(SteppedBackend):
         new[t] = self._sample_text(hidden[t], slots[t], count[t])
         return new.tolist()
 
-    def _phases(self, rows: list[_Row]) -> list[int] | None:
+    def _phases(self, rows: list[Row]) -> list[int] | None:
         """The rows' frame positions for a head product per position (CPU); None: one product for all (CUDA)."""
         return None if self.branch_free else [r.generated % TOKENS_PER_FRAME for r in rows]
 
@@ -381,8 +375,12 @@ class HFBackend(SteppedBackend):
         """The smallest attention length bucket that holds `keys` cache positions."""
         return next(b for b in self.length_buckets if b >= keys)
 
-    def _decode_static(self, rows: list[_Row]) -> list[int]:
-        """Forward and sample the cache window [0, bucket), rows without a request padded inactive; chosen ids."""
+    def _decode_static(self, rows: list[Row]) -> list[int]:
+        """Forward and sample the cache window [0, bucket), rows without a request padded inactive; chosen ids.
+
+        Its shapes cover audio rows only: a step with an unconstrained row (the whole vocab) runs eagerly."""
+        if not all(r.req.constrain_audio for r in rows):
+            return self._decode(rows)
         length, host = self._static_meta(rows)
         graph = self._graphs.get((host.shape[0], length))
         if graph is not None:
@@ -399,7 +397,7 @@ class HFBackend(SteppedBackend):
         row ever reaches (a row ends at pos + 1 == max_seq_len), as its slot may hold a paused live row."""
         return [self.max_seq_len - 1, self.spec.pad, 0, 0]
 
-    def _static_meta(self, rows: list[_Row]) -> tuple[int, torch.Tensor]:
+    def _static_meta(self, rows: list[Row]) -> tuple[int, torch.Tensor]:
         """The rows' length bucket, and the step input of their batch bucket: pos, last id, count, active per row."""
         meta = [self._padding_meta()] * self._bucket(rows[-1].slot + 1)
         for r in rows:
@@ -440,40 +438,7 @@ class HFBackend(SteppedBackend):
                 self._graphs[bucket, length] = (graph, static_in, static_out)
         torch.cuda.synchronize(self.device)
 
-    # -- the reference sampler (today's, for side-by-side benchmarks) --
-    def _decode_reference(self, rows: list[_Row]) -> list[int]:
-        """Forward, then the reference sampler over all 28,673 audio ids (or the vocab); the chosen ids."""
-        slots = [r.slot for r in rows]
-        ids = torch.tensor([[r.last] for r in rows], device=self.device)
-        hidden = self.forward(ids, slots, [r.pos for r in rows])[:, -1]
-        new = torch.empty(len(rows), dtype=torch.long, device=self.device)
-        for audio_only in (True, False):
-            group = [i for i, r in enumerate(rows) if r.req.constrain_audio == audio_only]
-            if group:
-                idx = torch.tensor(group, device=self.device)
-                new[idx] = self._sample_reference(hidden[idx], [rows[i] for i in group], audio_only)
-        self.seen[torch.tensor(slots, device=self.device), new] = True
-        return new.tolist()
-
-    def _sample_reference(self, hidden: torch.Tensor, rows: list[_Row], audio_only: bool) -> torch.Tensor:
-        """Next id per row: repetition penalty, phase mask (audio_only), temperature (0: greedy), top-p."""
-        dev = self.device
-        logits = self.logits(hidden, audio_only)
-        seen = self.seen[torch.tensor([r.slot for r in rows], device=dev)]
-        if audio_only:
-            seen = seen[:, self.audio_ids]
-        penalty = torch.tensor([r.req.sampling.repetition_penalty for r in rows], device=dev)
-        logits = reference_penalize(logits, seen, penalty)
-        if audio_only:
-            phase = torch.tensor([r.generated % TOKENS_PER_FRAME for r in rows], device=dev)
-            logits = logits.masked_fill(self.audio_phase[None, :] != phase[:, None], float("-inf"))
-        s = [r.req.sampling for r in rows]
-        chosen = reference_sample(
-            logits, [x.temperature for x in s], [x.top_p for x in s], [r.generator for r in rows], self.shared_generator
-        )
-        return self.audio_ids[chosen] if audio_only else chosen
-
-    def _release(self, state: _Row) -> None:
+    def _release(self, state: Row) -> None:
         """Give the request's KV slot back (its sampling state is reset when the slot is next taken)."""
         heapq.heappush(self.free_slots, state.slot)
 

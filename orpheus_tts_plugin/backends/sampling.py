@@ -1,8 +1,9 @@
-"""Next-token sampling that does the least work, and the reference sampler it replaces (kept for comparison).
+"""Next-token sampling that does the least work.
 
-Both draw from the same distribution: HF-style repetition penalty, softmax(logits / temperature), then the
-top-p nucleus as HF defines it: sorted by probability, an id is kept while the mass before it is <= top_p.
-Temperature 0 is greedy (argmax of the penalised logits, first index on ties).
+It draws from the same distribution as the reference sampler it replaced (tools/bench/reference_sampler.py):
+HF-style repetition penalty, softmax(logits / temperature), then the top-p nucleus as HF defines it: sorted by
+probability, an id is kept while the mass before it is <= top_p. Temperature 0 is greedy (argmax of the
+penalised logits, first index on ties).
 
 The reference sorts every row. `sample` does not sort:
 - top-k: the k most probable ids hold more than top_p of the mass, so the nucleus lies inside them;
@@ -174,39 +175,3 @@ def _radix_weights(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     if bool(narrow.any()):
         weights[narrow] *= radix_nucleus(probs[narrow], top_p[narrow], branch_free=False)
     return weights
-
-
-def reference_penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """The reference sampler's repetition penalty, unchanged (same values as `penalize`)."""
-    penalty = penalty[:, None]
-    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-
-
-def reference_sample(
-    logits: torch.Tensor,
-    temperature: list[float],
-    top_p: list[float],
-    generators: list[torch.Generator | None],
-    shared: torch.Generator,
-) -> torch.Tensor:
-    """The sampler this module replaces, unchanged: softmax, full sort + cumsum, exponential race per row."""
-    dev = logits.device
-    chosen = logits.argmax(-1)
-    if any(t > 0 for t in temperature):
-        temp = torch.tensor(temperature, device=dev)
-        probs = torch.softmax(logits / temp.clamp_min(1e-5)[:, None], dim=-1)
-        if any(p < 1.0 for p in top_p):
-            sorted_p, sorted_i = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > torch.tensor(top_p, device=dev)[:, None]
-            probs = torch.zeros_like(probs).scatter_(-1, sorted_i, sorted_p.masked_fill(drop, 0.0))
-        # Exponential race (argmax of p / Exp(1)) samples from p; one generator per seeded row.
-        race = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        for i, g in enumerate(generators):
-            if g is not None:
-                race[i].exponential_(generator=g)
-        if unseeded:
-            noise = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(generator=shared)
-            race[torch.tensor(unseeded, device=dev)] = noise
-        chosen = torch.where(temp > 0, (probs / race).argmax(-1), chosen)
-    return chosen

@@ -10,7 +10,8 @@ import numpy as np
 
 from ..config import SyntheticConfig
 from ..spec import CODEBOOK_SIZE, ENGLISH, TOKENS_PER_FRAME, ModelSpec
-from .base import FinishReason, GenerationRequest, SteppedBackend
+from .protocol import FinishReason, GenerationRequest
+from .stepped import SteppedBackend
 
 
 class SyntheticBackend(SteppedBackend):

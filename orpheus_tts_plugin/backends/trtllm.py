@@ -23,8 +23,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, PumpedStream, RequestCounts, check_loop
 from .checkpoint import checkpoint_json, checkpoint_quantization
+from .protocol import BackendError, FinishReason, GenerationRequest, check_loop
+from .pumped import PumpedStream, RequestCounts
 from .trtllm_lines import TORCH_SAMPLER, TRTLLM_SAMPLER, TrtllmLine, detect, version_tuple
 from .trtllm_logits import FORBIDDEN, AudioPositionProcessor
 

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..spec import ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, PumpedStream, RequestCounts, check_loop
 from .checkpoint import CheckpointQuantization, checkpoint_quantization
+from .protocol import BackendError, FinishReason, GenerationRequest, check_loop
+from .pumped import PumpedStream, RequestCounts
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +75,6 @@ def import_vllm() -> SimpleNamespace:
         platform=current_platform,
         prompt=tokens_input or (lambda ids: TokensPrompt(prompt_token_ids=ids)),
     )
-
-
-# ---- the checkpoint's own quantisation (read by checkpoint.py) ----
-
-
-def is_prequantized(model: str) -> bool:
-    """True if a local or cached checkpoint carries its own quantisation (e.g. ModelOpt FP8 from `quantize`)."""
-    quant = checkpoint_quantization(model)
-    return quant is not None and quant.method is not None
 
 
 class VllmBackend:

@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device)
     p.add_argument("--model-family", default=d.model_family)
     p.add_argument("--tokenizer", default=None, help="defaults to --model")
+    p.add_argument("--completions-url", default=None, help="openai-completions: the server's URL")
     p.add_argument("--decoder", default=d.decoder, choices=DECODERS)
     p.add_argument("--max-streams", type=int, default=d.max_streams, help="concurrent streams admitted")
     p.add_argument("--max-batch-size", type=int, default=None, help="rows per backend step (default max streams)")
@@ -122,6 +123,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         model_family=args.model_family,
         tokenizer=args.tokenizer,
+        completions_url=args.completions_url,
         decoder=args.decoder,
         max_streams=args.max_streams,
         max_batch_size=args.max_batch_size,

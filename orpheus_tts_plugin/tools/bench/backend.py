@@ -36,7 +36,7 @@ def prompt_ids(row: int) -> tuple[int, ...]:
 
 def time_steps(backend: Any, batch: int, steps: int, sync: Callable[[], None]) -> dict[str, float]:
     """Admit `batch` requests, warm up, time `steps` decode steps on this thread, release them."""
-    from ...backends.base import GenerationRequest
+    from ...backends.protocol import GenerationRequest
 
     rows = []
     for i in range(batch):
@@ -101,11 +101,14 @@ def time_generate(model: Any, batch: int, steps: int, device: str, sync: Callabl
     return {"tokens_per_s": batch * k / wall, "ms_per_step": 1e3 * wall / k, "steps": k}
 
 
-def variants(device: str) -> dict[str, dict[str, Any]]:
-    """The HFBackend options of each timed variant."""
-    out: dict[str, dict[str, Any]] = {"reference": {"sampler": "reference"}, "fast": {}}
+def variants(device: str) -> dict[str, tuple[type, dict[str, Any]]]:
+    """The backend class and options of each timed variant."""
+    from ...backends.hf import HFBackend
+    from .reference_sampler import ReferenceHFBackend
+
+    out: dict[str, tuple[type, dict[str, Any]]] = {"reference": (ReferenceHFBackend, {}), "fast": (HFBackend, {})}
     if device.startswith("cuda"):
-        out["fast+graphs"] = {"cuda_graphs": True}  # captured steps (CUDA only)
+        out["fast+graphs"] = (HFBackend, {"cuda_graphs": True})  # captured steps (CUDA only)
     return out
 
 
@@ -113,8 +116,6 @@ def main(args: argparse.Namespace) -> int:
     """Time every variant at every batch size, print a table, write JSON with the run's metadata."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from ...backends.hf import HFBackend
 
     torch.set_num_threads(args.threads)
     batches = sorted(set(args.batch))
@@ -124,8 +125,8 @@ def main(args: argparse.Namespace) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     seq = len(prompt_ids(0)) + WARMUP_STEPS + args.steps + 2
     backends = {}
-    for name, options in variants(args.device).items():
-        backends[name] = HFBackend(
+    for name, (kind, options) in variants(args.device).items():
+        backends[name] = kind(
             model, device=args.device, dtype=dtype, max_batch_size=max(batches), max_seq_len=seq, **options
         )
         backends[name]._load()

@@ -26,7 +26,7 @@ from .figures import Utterance, capacity, report, summarize
 from .utterances import UTTERANCES
 
 if TYPE_CHECKING:
-    from ...backends.base import TokenBackend
+    from ...backends.protocol import TokenBackend
     from ...decoder import FrameDecoder
     from ...engine import OrpheusEngine
 

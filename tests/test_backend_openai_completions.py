@@ -1,9 +1,10 @@
-"""Remote backend against a real OpenAI-compatible server: `transformers serve` on 127.0.0.1 with the test model.
+"""The openai-completions backend against a real OpenAI-compatible server: `transformers serve` on 127.0.0.1 with
+the test model.
 
 The server runs in a subprocess on loopback only. Its streamed `<custom_token_N>` text is checked id for id
 against the same generation run locally (same seed, same generation config), cancellation is checked by the
 server's freed capacity, and retries by a refused port and by a late-starting TCP relay to the real server.
-Small tests replay vLLM's stream format (token ids per chunk) from an in-process aiohttp server; the remote backend
+Small tests replay vLLM's stream format (token ids per chunk) from an in-process aiohttp server; the backend
 against a real vLLM OpenAI server runs in tests_vllm/ (the vLLM venv).
 """
 
@@ -21,11 +22,13 @@ from typing import Any
 
 import pytest
 
-from orpheus_tts_plugin.backends.base import BackendError, FinishReason, GenerationRequest
-from orpheus_tts_plugin.backends.remote import CustomTokenText, RemoteBackend
-from orpheus_tts_plugin.config import SamplingParams
+from orpheus_tts_plugin.backends import make_backend
+from orpheus_tts_plugin.backends.openai_completions import CustomTokenText, OpenAICompletionsBackend
+from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, GenerationRequest
+from orpheus_tts_plugin.config import EngineConfig, SamplingParams
 from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.spec import ENGLISH
+from orpheus_tts_plugin.weights import TOKENIZER, weight_sources
 from tests.servers import free_port, run_server
 
 SPEC = ENGLISH
@@ -116,7 +119,7 @@ async def test_streamed_ids_equal_the_same_generation_run_locally(server, model_
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    backend = RemoteBackend(server, dialect="transformers", tokenizer=str(model_dir))
+    backend = OpenAICompletionsBackend(server, dialect="transformers", tokenizer=str(model_dir))
     await backend.start()
     assert backend.model == str(model_dir)  # discovered through GET /v1/models
     req = request(tokenizer, "exact", 24)
@@ -141,7 +144,7 @@ async def test_streamed_ids_equal_the_same_generation_run_locally(server, model_
 
 
 async def test_stop_id_ends_the_stream_and_is_not_delivered(server, tokenizer) -> None:
-    backend = RemoteBackend(server, dialect="transformers", tokenizer=tokenizer)
+    backend = OpenAICompletionsBackend(server, dialect="transformers", tokenizer=tokenizer)
     await backend.start()
     greedy = [i for ids in await collect(backend.generate(request(tokenizer, "g", 8, temperature=0.0))) for i in ids]
     # An id the model emits greedily, used as an extra stop id; not pad: transformers also pads with it.
@@ -156,7 +159,7 @@ async def test_stop_id_ends_the_stream_and_is_not_delivered(server, tokenizer) -
 
 
 async def test_closing_the_stream_aborts_the_server_request(server, tokenizer) -> None:
-    backend = RemoteBackend(server, dialect="transformers", tokenizer=tokenizer)
+    backend = OpenAICompletionsBackend(server, dialect="transformers", tokenizer=tokenizer)
     await backend.start()
     long = backend.generate(request(tokenizer, "long", 4000, temperature=0.0))
     t0 = time.monotonic()
@@ -179,7 +182,9 @@ async def test_closing_the_stream_aborts_the_server_request(server, tokenizer) -
 
 
 async def test_http_error_is_a_backend_error_without_retries(server, tokenizer) -> None:
-    backend = RemoteBackend(server, dialect="transformers", tokenizer=tokenizer, extra_body={"not_a_field": 1})
+    backend = OpenAICompletionsBackend(
+        server, dialect="transformers", tokenizer=tokenizer, extra_body={"not_a_field": 1}
+    )
     await backend.start()
     stream = backend.generate(request(tokenizer, "bad", 4))
     with pytest.raises(BackendError, match="HTTP 422"):
@@ -209,7 +214,7 @@ async def test_retries_reach_a_server_that_comes_up_late(server, model_dir, toke
         await asyncio.sleep(0.3)
         return await asyncio.start_server(relay, "127.0.0.1", port)
 
-    backend = RemoteBackend(
+    backend = OpenAICompletionsBackend(
         f"http://127.0.0.1:{port}/v1",
         model=str(model_dir),
         dialect="transformers",
@@ -233,7 +238,7 @@ async def test_retries_reach_a_server_that_comes_up_late(server, model_dir, toke
 
 async def test_refused_connection_is_retried_then_fails() -> None:
     port = free_port()  # nothing listens here
-    backend = RemoteBackend(
+    backend = OpenAICompletionsBackend(
         f"http://127.0.0.1:{port}", model="m", dialect="openai", connect_retries=2, retry_backoff_s=0.01
     )
     await backend.start()
@@ -244,7 +249,7 @@ async def test_refused_connection_is_retried_then_fails() -> None:
     assert time.monotonic() - t0 < 5
     assert stream.finish_reason == FinishReason.ERROR
     assert backend.stats() | {"url": None} == {
-        "backend": "remote",
+        "backend": "openai-completions",
         "url": None,
         "live_requests": 0,
         "requests": 1,
@@ -311,7 +316,7 @@ async def test_vllm_token_id_stream_with_allowed_ids_where_the_server_lacks_the_
     """vLLM's stream format (token_ids per choice, then [DONE]); the probe finds no processor: allowed ids."""
     runner, url, bodies, audio = await replay_server(obeys_xargs=False)
     try:
-        backend = RemoteBackend(url, model="orpheus", dialect="vllm", constrain_audio=True)
+        backend = OpenAICompletionsBackend(url, model="orpheus", dialect="vllm", constrain_audio=True)
         await backend.start()
         assert backend.audio_constraint == "allowed_ids" and backend.stats()["audio_constraint"] == "allowed_ids"
         req = GenerationRequest("v", (7, 8, 9), SamplingParams(seed=5), 100, (SPEC.end_of_speech,))
@@ -333,7 +338,8 @@ async def test_vllm_token_id_stream_with_allowed_ids_where_the_server_lacks_the_
 async def test_vllm_position_constraint_goes_as_vllm_xargs_where_the_server_has_the_processor() -> None:
     runner, url, bodies, _ = await replay_server(obeys_xargs=True)
     try:
-        backend = RemoteBackend(url, model="orpheus", dialect="vllm")  # constrain_audio None: wherever it is cheap
+        # constrain_audio None: wherever it is cheap
+        backend = OpenAICompletionsBackend(url, model="orpheus", dialect="vllm")
         await backend.start()
         assert backend.audio_constraint == "position"
         stream = backend.generate(GenerationRequest("p", (7, 8), SamplingParams(), 10, (SPEC.end_of_speech,)))
@@ -355,12 +361,12 @@ async def test_vllm_position_constraint_goes_as_vllm_xargs_where_the_server_has_
 async def test_without_the_processor_and_without_asking_nothing_constrains_the_request() -> None:
     runner, url, bodies, _ = await replay_server(obeys_xargs=False)
     try:
-        backend = RemoteBackend(url, model="orpheus", dialect="vllm")
+        backend = OpenAICompletionsBackend(url, model="orpheus", dialect="vllm")
         await backend.start()
         assert backend.audio_constraint == "none"  # no 200 kB allowed-ids list per request unless asked
         body = json.loads(backend.request_body(GenerationRequest("n", (7,), SamplingParams(), 10, (1,))))
         assert "allowed_token_ids" not in body and "vllm_xargs" not in body
-        off = RemoteBackend(url, model="orpheus", dialect="vllm", constrain_audio=False)
+        off = OpenAICompletionsBackend(url, model="orpheus", dialect="vllm", constrain_audio=False)
         await off.start()
         assert off.audio_constraint == "none" and len(bodies) == 1  # constrain_audio=False: no probe
         await backend.close()
@@ -373,7 +379,7 @@ def test_each_dialect_sends_only_the_fields_its_server_knows() -> None:
     req = GenerationRequest(
         "d", (5, 6), SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.1), 42, (SPEC.end_of_speech,)
     )
-    trt = json.loads(RemoteBackend("http://h:1/v1/", model="m", dialect="trtllm").request_body(req))
+    trt = json.loads(OpenAICompletionsBackend("http://h:1/v1/", model="m", dialect="trtllm").request_body(req))
     assert trt == {
         "model": "m",
         "prompt": [5, 6],
@@ -386,19 +392,40 @@ def test_each_dialect_sends_only_the_fields_its_server_knows() -> None:
         "skip_special_tokens": False,
         "detokenize": False,
     }
-    plain = json.loads(RemoteBackend("http://h:1", model="m", dialect="openai").request_body(req))
+    plain = json.loads(OpenAICompletionsBackend("http://h:1", model="m", dialect="openai").request_body(req))
     assert plain == {"model": "m", "prompt": [5, 6], "max_tokens": 42, "stream": True, "temperature": 0.6, "top_p": 0.8}
-    vllm = json.loads(RemoteBackend("http://h:1", model="m").request_body(req))
+    vllm = json.loads(OpenAICompletionsBackend("http://h:1", model="m").request_body(req))
     assert "allowed_token_ids" not in vllm and vllm["return_token_ids"] is True  # not started: no processor known
-    told = json.loads(RemoteBackend("http://h:1", model="m", audio_processor=True).request_body(req))
+    told = json.loads(OpenAICompletionsBackend("http://h:1", model="m", audio_processor=True).request_body(req))
     assert told["vllm_xargs"]["orpheus_first_audio_token"] == SPEC.first_audio_token
-    trt = RemoteBackend("http://h:1", model="m", dialect="trtllm", audio_processor=True, constrain_audio=True)
+    trt = OpenAICompletionsBackend(
+        "http://h:1", model="m", dialect="trtllm", audio_processor=True, constrain_audio=True
+    )
     assert trt.audio_constraint == "none" and "vllm_xargs" not in json.loads(trt.request_body(req))
-    assert RemoteBackend("http://h:1/v1/").endpoint == "http://h:1/v1/completions"
+    assert OpenAICompletionsBackend("http://h:1/v1/").endpoint == "http://h:1/v1/completions"
     with pytest.raises(ValueError, match="tokenizer"):
-        RemoteBackend("http://h:1", dialect="transformers")
+        OpenAICompletionsBackend("http://h:1", dialect="transformers")
     with pytest.raises(ValueError, match="dialect"):
-        RemoteBackend("http://h:1", dialect="sglang-ish")
+        OpenAICompletionsBackend("http://h:1", dialect="sglang-ish")
+
+
+def test_the_backend_is_chosen_by_its_name_or_its_old_one() -> None:
+    """`openai-completions` takes its URL from `completions_url`; "remote", its old name, from `model` if unset."""
+    new = EngineConfig(backend="openai-completions", completions_url="http://h:1/v1", model="me/orpheus")
+    old = EngineConfig(backend="remote", model="http://h:2", tokenizer="me/tok")
+    old_with_url = EngineConfig(backend="remote", completions_url="http://h:3", model="me/orpheus")
+    for config, url, tokenizer in ((new, "http://h:1", "me/orpheus"), (old, "http://h:2", "me/tok")):
+        backend = make_backend(config, SPEC, "cpu")
+        assert isinstance(backend, OpenAICompletionsBackend)
+        assert (backend.url, backend.tokenizer) == (url, tokenizer)
+    assert old_with_url.completions_server == "http://h:3" and EngineConfig().completions_server is None
+    assert [s for s in weight_sources(new) if s[0] != "SNAC"] == [("the tokenizer", "me/orpheus", TOKENIZER)]
+    with pytest.raises(ValueError, match="needs completions_url"):
+        EngineConfig(backend="openai-completions")
+    with pytest.raises(ValueError, match="set tokenizer"):
+        EngineConfig(backend="remote", model="http://h:2")
+    with pytest.raises(ValueError, match="completions_url is for backend"):
+        EngineConfig(backend="hf", completions_url="http://h:1")
 
 
 def test_custom_token_text_becomes_ids_even_when_split_across_chunks() -> None:
@@ -453,7 +480,7 @@ async def test_a_paused_stream_leaves_the_server_and_resumes_as_one_request(peri
     """pause(True) ends the request on the server (its row freed); pause(False): the next read sends prompt + every
     id delivered, the rest of the budget, the constraint at the next frame position; no id lost or repeated."""
     runner, url, bodies, left = await pacing_server(period_s)
-    backend = RemoteBackend(url, model="orpheus", dialect="vllm")
+    backend = OpenAICompletionsBackend(url, model="orpheus", dialect="vllm")
     try:
         await backend.start()
         assert backend.audio_constraint == "position"

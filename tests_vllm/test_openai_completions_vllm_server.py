@@ -1,4 +1,5 @@
-"""The remote backend (vllm dialect) against a real vLLM OpenAI server on 127.0.0.1, started with the processor.
+"""The openai-completions backend (vllm dialect) against a real vLLM OpenAI server on 127.0.0.1, started with the
+processor.
 
     python -m vllm.entrypoints.openai.api_server --model M --host 127.0.0.1 --port P --enforce-eager
         --dtype float32 --logits-processors orpheus_tts_plugin.backends.vllm_logits:OrpheusAudioLogitsProcessor
@@ -17,8 +18,8 @@ import aiohttp
 import pytest
 from conftest import PYTHON, free_port, invalid_positions, run_server
 
-from orpheus_tts_plugin.backends.base import FinishReason, GenerationRequest
-from orpheus_tts_plugin.backends.remote import RemoteBackend
+from orpheus_tts_plugin.backends.openai_completions import OpenAICompletionsBackend
+from orpheus_tts_plugin.backends.protocol import FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.vllm_logits import FQCN
 from orpheus_tts_plugin.codes import FrameParser
 from orpheus_tts_plugin.config import SamplingParams
@@ -51,7 +52,7 @@ def request(rid: str, max_new: int, *, seed: int = 1, temperature: float = 0.6) 
     return GenerationRequest(rid, PROMPT, sampling, max_new, (SPEC.end_of_speech,))
 
 
-async def run(backend: RemoteBackend, req: GenerationRequest) -> tuple[list[int], str | None]:
+async def run(backend: OpenAICompletionsBackend, req: GenerationRequest) -> tuple[list[int], str | None]:
     stream = backend.generate(req)
 
     async def collect() -> list[int]:
@@ -79,7 +80,7 @@ async def running(url: str, n: int) -> None:
 
 
 async def test_token_id_prompts_come_back_as_ids_with_the_position_constraint(server) -> None:
-    backend = RemoteBackend(_url(server), dialect="vllm")
+    backend = OpenAICompletionsBackend(_url(server), dialect="vllm")
     await backend.start()
     assert backend.model == "orpheus" and backend.audio_constraint == "position"  # found by the probe
     results = await asyncio.gather(*(run(backend, request(f"p{i}", 140, seed=i)) for i in range(2)))
@@ -93,7 +94,7 @@ async def test_token_id_prompts_come_back_as_ids_with_the_position_constraint(se
 
 
 async def test_without_the_processor_allowed_ids_keep_audio_ids_and_wrong_positions_are_counted(server) -> None:
-    backend = RemoteBackend(_url(server), dialect="vllm", audio_processor=False, constrain_audio=True)
+    backend = OpenAICompletionsBackend(_url(server), dialect="vllm", audio_processor=False, constrain_audio=True)
     await backend.start()
     assert backend.audio_constraint == "allowed_ids"
     ids, _ = await run(backend, request("a", 140, seed=4))
@@ -106,7 +107,7 @@ async def test_without_the_processor_allowed_ids_keep_audio_ids_and_wrong_positi
 
 async def test_closing_the_stream_aborts_the_server_request_as_its_metrics_show(server) -> None:
     url = _url(server)
-    backend = RemoteBackend(url, dialect="vllm")
+    backend = OpenAICompletionsBackend(url, dialect="vllm")
     await backend.start()
     before = await metrics(url)
     stream = backend.generate(request("long", 1500, temperature=1.0))
@@ -131,7 +132,7 @@ async def test_a_paused_stream_leaves_the_server_and_its_continuation_keeps_the_
     """Backpressure through a remote vLLM: pause(True) ends the request there (running back to 0), pause(False)
     sends prompt + ids so far with `orpheus_audio_offset`; every id of both parts in its frame position."""
     url = _url(server)
-    backend = RemoteBackend(url, dialect="vllm")
+    backend = OpenAICompletionsBackend(url, dialect="vllm")
     await backend.start()
     stream = backend.generate(request("paused", 400, temperature=1.0))
     got: list[int] = []

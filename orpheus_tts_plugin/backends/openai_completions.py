@@ -1,4 +1,4 @@
-"""Remote backend: an OpenAI-compatible `/v1/completions` server streaming tokens over SSE (aiohttp).
+"""The openai-completions backend: an OpenAI-compatible `/v1/completions` server streaming tokens over SSE (aiohttp).
 
 This is how CPU-only agent processes share a pool of GPU servers (trtllm-serve, vLLM, SGLang, `transformers
 serve`) behind a load balancer. Prompts go out as token ids where the server accepts them; token ids come back
@@ -21,10 +21,11 @@ from typing import Any
 try:
     import aiohttp
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("the remote backend needs aiohttp: pip install 'orpheus-tts-plugin[remote]'") from exc
+    raise ImportError("the openai-completions backend needs aiohttp: pip install 'orpheus-tts-plugin[remote]'") from exc
 
 from ..spec import CODEBOOK_SIZE, ENGLISH, ModelSpec
-from .base import BackendError, FinishReason, GenerationRequest, RequestCounts, check_loop, continuation
+from .protocol import BackendError, FinishReason, GenerationRequest, check_loop
+from .pumped import RequestCounts, continuation
 
 # How each server family wants a completion request: prompt as ids or text, and which non-OpenAI fields it takes
 # (trtllm-serve and transformers serve reject unknown fields, so each dialect sends only what its server knows).
@@ -87,10 +88,10 @@ def _base_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-class RemoteBackend:
+class OpenAICompletionsBackend:
     """Token generation on a remote OpenAI-compatible completions server."""
 
-    name = "remote"
+    name = "openai-completions"
 
     def __init__(
         self,
@@ -111,7 +112,7 @@ class RemoteBackend:
         extra_body: dict[str, Any] | None = None,
     ):
         if dialect not in DIALECTS:
-            raise ValueError(f"unknown remote dialect {dialect!r}; choose one of {', '.join(DIALECTS)}")
+            raise ValueError(f"unknown openai-completions dialect {dialect!r}; choose one of {', '.join(DIALECTS)}")
         if dialect == "transformers" and tokenizer is None:
             raise ValueError("the 'transformers' dialect sends text prompts and needs `tokenizer` (path, id or object)")
         if connect_retries < 0 or retry_backoff_s < 0:
@@ -258,10 +259,10 @@ class RemoteBackend:
             text = f'{text[:-1]}, "allowed_token_ids": {self._allowed_json}}}'
         return text
 
-    def generate(self, req: GenerationRequest) -> RemoteStream:
+    def generate(self, req: GenerationRequest) -> CompletionsStream:
         check_loop(self._loop if self._session is not None else None, self.name)
         self._requests.started()
-        return RemoteStream(self._session, self, req, self._requests)
+        return CompletionsStream(self._session, self, req, self._requests)
 
     def stats(self) -> dict[str, Any]:
         return self._requests.stats(self.name, url=self.url, audio_constraint=self.audio_constraint)
@@ -272,7 +273,7 @@ class RemoteBackend:
             await session.close()
 
 
-class RemoteStream:
+class CompletionsStream:
     """New ids of one remote request, one SSE event at a time; `aclose()` closes the HTTP response.
 
     Pausing (the engine's reader is behind): a completions server has no per-request pause, so `pause(True)`
@@ -283,7 +284,11 @@ class RemoteStream:
     """
 
     def __init__(
-        self, session: aiohttp.ClientSession, backend: RemoteBackend, req: GenerationRequest, counts: RequestCounts
+        self,
+        session: aiohttp.ClientSession,
+        backend: OpenAICompletionsBackend,
+        req: GenerationRequest,
+        counts: RequestCounts,
     ):
         self.req = req
         self.finish_reason: str | None = None
@@ -319,12 +324,12 @@ class RemoteStream:
             self._resp.close()  # the server sees the disconnect and aborts the request
             self._resp = None
 
-    def __aiter__(self) -> RemoteStream:
+    def __aiter__(self) -> CompletionsStream:
         return self
 
     async def __anext__(self) -> list[int]:
         if self._paused:
-            raise BackendError("remote backend: read while paused")
+            raise BackendError("openai-completions backend: read while paused")
         if self._resp is None and not self._ended:
             await self._open()
         while not self._ended:
@@ -436,4 +441,4 @@ class RemoteStream:
             self._end(FinishReason.ERROR)
         if self._resp is not None:
             self._resp.close()
-        raise BackendError(f"remote backend: {message}")
+        raise BackendError(f"openai-completions backend: {message}")

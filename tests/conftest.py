@@ -1,8 +1,13 @@
-"""Shared fixtures: the random-weight test checkpoints, built once per test session."""
+"""Shared fixtures: the random-weight test checkpoints, built once per test session, and a runner of scripts/."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,3 +57,16 @@ def hf_config(test_model_dir: Path) -> EngineConfig:
         max_batch_size=16,
         max_seq_len=2048,
     )
+
+
+@pytest.fixture
+def run_script() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run `python scripts/NAME ARGS` on this checkout's package (PYTHONPATH), not whichever one the venv installed."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+    def run(name: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, str(root / "scripts" / name), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
+
+    return run

@@ -26,7 +26,8 @@ from orpheus_tts_plugin.backends.remote import CustomTokenText, RemoteBackend
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.spec import ENGLISH
-from tests.servers import free_port, run_server
+from orpheus_tts_plugin.tools.loopback import free_port
+from tests.servers import run_server
 
 SPEC = ENGLISH
 BASE = SPEC.custom_token_base

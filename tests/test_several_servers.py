@@ -23,7 +23,8 @@ from orpheus_tts_plugin import EngineConfig, EngineError, OrpheusEngine, RemoteE
 from orpheus_tts_plugin.cli import main
 from orpheus_tts_plugin.engine import AudioChunk
 from orpheus_tts_plugin.server.serve import ServerThread, serving_in_thread
-from tests.servers import free_port, serve_args, serve_processes, until
+from orpheus_tts_plugin.tools.loopback import free_port
+from tests.servers import serve_args, serve_processes, until
 from tests.stubs import SPEED_IDS, SPEEDS, GatedBackend
 
 MAX_STREAMS = 8

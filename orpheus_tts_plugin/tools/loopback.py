@@ -1,7 +1,7 @@
 """Probes of servers on this host: a free port to start one on, and the HTTP status a path answers with.
 
-Shared by scripts/hostile_checks.py and the tests that start `orpheus-tts serve` processes (tests/servers.py);
-standard library only.
+Shared by `orpheus-tts load`, scripts/hostile_checks.py, the phone agent demo and the tests that start servers
+(tests/servers.py); standard library only.
 """
 
 from __future__ import annotations

@@ -35,6 +35,22 @@ def full_snac_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def full_snac(full_snac_dir: Path) -> Any:
+    """The full 24 kHz SNAC (random weights), loaded once: read by every test, changed by none."""
+    from orpheus_tts_plugin.snac import load_snac
+
+    return load_snac(str(full_snac_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_snac(test_model_dir: Path) -> Any:
+    """The test model's tiny SNAC, loaded once: read by every test, changed by none."""
+    from orpheus_tts_plugin.snac import load_snac
+
+    return load_snac(str(test_model_dir / "snac"))
+
+
+@pytest.fixture(scope="session")
 def synthetic_config(test_model_dir: Path) -> EngineConfig:
     """A fast engine: synthetic tokens (no LLM), the real streaming decoder on the tiny SNAC."""
     return EngineConfig(

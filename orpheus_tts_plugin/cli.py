@@ -14,6 +14,7 @@ import logging
 import sys
 import traceback
 from collections.abc import Iterator
+from types import ModuleType
 
 from .errors import EngineError
 from .interrupt import interrupted
@@ -27,6 +28,13 @@ def _ints(text: str) -> tuple[int, ...]:
 def _handler(target: str) -> dict[str, str]:
     """set_defaults() value naming the function that runs a subcommand, as 'module:function'."""
     return {"handler": target}
+
+
+def _add_owned(sub: argparse._SubParsersAction, name: str, summary: str, module: ModuleType, func: str) -> None:
+    """A subcommand whose module declares its flags (`add_arguments`) and runs it (`func`): one home for both."""
+    parser = sub.add_parser(name, help=summary)
+    module.add_arguments(parser)
+    parser.set_defaults(**_handler(f"{module.__name__.removeprefix(f'{__package__}.')}:{func}"))
 
 
 def _add_say(sub: argparse._SubParsersAction) -> None:
@@ -77,9 +85,8 @@ def _add_weights(sub: argparse._SubParsersAction) -> None:
 
     from .tools import quantize
 
-    q = sub.add_parser("quantize", help="FP8-quantise an Orpheus checkpoint with NVIDIA ModelOpt (for trtllm/vllm)")
-    quantize.add_arguments(q)
-    q.set_defaults(**_handler("tools.quantize:quantize_main"))
+    q_help = "FP8-quantise an Orpheus checkpoint with NVIDIA ModelOpt (for trtllm/vllm)"
+    _add_owned(sub, "quantize", q_help, quantize, "quantize_main")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -128,9 +135,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     back.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
     back.add_argument("--json", default=None)
     back.set_defaults(**_handler("tools.bench.backend:main"))
-    eng = what.add_parser("engine", help="TTFB, underruns and real-time capacity of the engine under traffic")
-    bench_engine.add_arguments(eng)
-    eng.set_defaults(**_handler("tools.bench.engine:main"))
+    eng_help = "TTFB, underruns and real-time capacity of the engine under traffic"
+    _add_owned(what, "engine", eng_help, bench_engine, "main")
 
 
 def _add_server(sub: argparse._SubParsersAction) -> None:
@@ -138,12 +144,8 @@ def _add_server(sub: argparse._SubParsersAction) -> None:
     from .server import serve
     from .tools import load
 
-    srv = sub.add_parser("serve", help="serve one engine over WebSocket and OpenAI-compatible HTTP")
-    serve.add_arguments(srv)
-    srv.set_defaults(**_handler("server.serve:serve_main"))
-    ld = sub.add_parser("load", help="drive a serve endpoint with concurrent streams from a process pool")
-    load.add_arguments(ld)
-    ld.set_defaults(**_handler("tools.load:main"))
+    _add_owned(sub, "serve", "serve one engine over WebSocket and OpenAI-compatible HTTP", serve, "serve_main")
+    _add_owned(sub, "load", "drive a serve endpoint with concurrent streams from a process pool", load, "main")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:

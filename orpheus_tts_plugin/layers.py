@@ -1,9 +1,9 @@
 """SNAC's decoder as streaming layers: each convolution keeps, as state, the inputs it still needs.
 
-`build_layers(snac)` mirrors `snac.decoder.model` with the same weights. A layer is called with the
-new inputs of a batch of utterances and a `Step` that knows each row's absolute position, where each
-utterance ends, and the layer buffers gathered for the rows; layers take their buffers in a fixed order
-(`Step.extend`) and leave the new ones in `Step.buffers_out`, in the same order.
+`build_layers(snac)` mirrors `snac.decoder.model` with its weights (read, never written). A layer is
+called with the new inputs of a batch of utterances and a `Step` that knows each row's absolute position,
+where each utterance ends, and the layer buffers gathered for the rows; layers take their buffers in a
+fixed order (`Step.extend`) and leave the new ones in `Step.buffers_out`, in the same order.
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ class _Pointwise(Layer):
 
     def __init__(self, conv: nn.Conv1d, per_frame: int, delay: int, packed: bool):
         self.gemm = FixedWeight(conv.weight.detach()[:, :, 0], packed=packed)  # (out, in)
-        self.matrix = self.gemm.weight
         self.bias = None if conv.bias is None else conv.bias.detach().clone().view(1, -1, 1)
         self.in_channels = conv.in_channels
         self.per_frame, self.delay = per_frame, delay
@@ -179,7 +178,6 @@ class _ConvTranspose(Layer):
         weight = conv.weight.detach()  # (in, out, 2·stride)
         # (out · 2·stride, in): row o·2s + k is output channel o at kernel tap k.
         self.gemm = FixedWeight(weight.reshape(self.in_channels, -1).t().contiguous(), packed=packed)
-        self.matrix = self.gemm.weight
         bias = torch.zeros(self.out_channels) if conv.bias is None else conv.bias.detach()
         self.bias = bias.to(weight).clone().view(1, -1, 1)
         self.per_frame, self.delay = per_frame, delay
@@ -209,8 +207,7 @@ class _Noise(Layer):
     def __init__(self, noise: PositionalNoise, per_frame: int, delay: int, packed: bool):
         self.noise = noise
         self.gemm = FixedWeight(noise.linear.weight.detach()[:, :, 0], packed=packed)  # (out, in)
-        self.matrix = self.gemm.weight
-        self.in_channels = self.matrix.shape[1]
+        self.in_channels = self.gemm.in_features
         self.per_frame, self.delay = per_frame, delay
 
     def __call__(self, x: Tensor, step: Step) -> Tensor:
@@ -246,7 +243,7 @@ class _Residual(Layer):
 
 
 def build_layers(snac: nn.Module, packed: bool = True) -> list[Layer]:
-    """Streaming layers mirroring snac.decoder.model, with copies of its weights.
+    """Streaming layers mirroring snac.decoder.model, on its weights: the same tensors or reshaped copies.
 
     `packed`: large products at few columns run on a oneDNN-packed weight (`gemm.FixedWeight`); False (a
     compiled step) always `torch.mm`.

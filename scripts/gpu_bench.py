@@ -8,11 +8,11 @@ Measures, with random weights of the real shapes (Orpheus-3B Llama, SNAC 24 kHz)
   (c) `bench engine`: TTFB, underruns and real-time capacity of the whole engine (hf backend + project decoder).
 Each part has a time budget and records what it skipped; a failing part is recorded and the others still run.
 
-The GPU machine has no network and only PyTorch, Triton and transformers. Nothing needs installing: this
-script puts the repository and the wheels in ./wheels on sys.path (pure-Python wheels import from the zip).
-Fetch them here, where there is network, into the repository copy that travels to the GPU machine:
+The GPU machine has no network and only PyTorch, Triton and transformers. Fetch snac and einops here, where
+there is network, into the repository copy that travels to the GPU machine:
     pip download snac==1.2.1 einops --no-deps -d wheels/
-There (or install instead: pip install --no-deps wheels/*.whl && pip install --no-deps --no-build-isolation -e .):
+There, install them and this package without their dependencies, then run:
+    pip install --no-deps wheels/*.whl && pip install --no-deps --no-build-isolation -e .
     python scripts/gpu_bench.py --out docs/gpu-h200.json
 CPU smoke test (tiny sizes, seconds; what CI runs):
     python scripts/gpu_bench.py --smoke --out /tmp/gpu-smoke.json
@@ -32,27 +32,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import numpy as np
+import torch
 
-
-def _bootstrap() -> None:
-    """Import this checkout and, if snac/einops are missing, the wheels that travelled with it."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        import einops  # noqa: F401
-        import snac  # noqa: F401
-    except ImportError:
-        sys.path.extend(str(w) for w in sorted((ROOT / "wheels").glob("*.whl")))
-
-
-_bootstrap()
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE, SAMPLES_PER_FRAME  # noqa: E402
-from orpheus_tts_plugin.tools.bench.common import print_rows, run_metadata, write_json  # noqa: E402
-from orpheus_tts_plugin.tools.testmodel import ROPE_SCALING, ROPE_THETA  # noqa: E402
+from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE, SAMPLES_PER_FRAME
+from orpheus_tts_plugin.tools.bench.common import print_rows, run_metadata, write_json
+from orpheus_tts_plugin.tools.testmodel import ROPE_SCALING, ROPE_THETA
 
 FRAME_S = SAMPLES_PER_FRAME / SAMPLE_RATE
 REALTIME_TOKENS_PER_S = 7 / FRAME_S  # 82.0: tokens a stream needs per second of audio

@@ -40,16 +40,11 @@ from websockets.exceptions import ConnectionClosed
 
 from orpheus_tts_plugin import EngineError, RemoteEngine
 from orpheus_tts_plugin.tools.bench.common import print_rows, run_metadata, write_json
+from orpheus_tts_plugin.tools.loopback import free_port, http_status
 
 KEY = "k-" + "h" * 30
 TEXT = "Hello there. How are you today?"
 PARTS = ("inputs", "health", "stall", "failover")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -65,7 +60,7 @@ def serve(snac: str, *extra: str, token_rate: float = 200.0) -> Iterator[tuple[s
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while status(port, "/ready") != 200:
+        while http_status(port, "/ready") != 200:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"serve did not come up: {Path(log.name).read_text()[-2000:]}")
             time.sleep(0.1)
@@ -74,16 +69,6 @@ def serve(snac: str, *extra: str, token_rate: float = 200.0) -> Iterator[tuple[s
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
-
-
-def status(port: int, path: str) -> int | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
 
 
 def http(
@@ -225,7 +210,7 @@ def part_health(snac: str, seconds: float = 20.0) -> dict[str, Any]:
         threading.Thread(target=flood, daemon=True).start()
         lat, end = [], time.monotonic() + seconds
         while time.monotonic() < end:
-            _, ms = timed(lambda: status(port, "/health"))
+            _, ms = timed(lambda: http_status(port, "/health"))
             lat.append(ms)
             time.sleep(0.02)
         stop.set()

@@ -17,17 +17,14 @@ import resource
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from orpheus_tts_plugin import EngineConfig, EngineError, OrpheusEngine, SyntheticConfig  # noqa: E402
-from orpheus_tts_plugin.decoder import StreamingDecoder  # noqa: E402
-from orpheus_tts_plugin.snac import load_snac  # noqa: E402
-from orpheus_tts_plugin.tools.bench.common import print_table, run_metadata, write_json  # noqa: E402
+from orpheus_tts_plugin import EngineConfig, EngineError, OrpheusEngine, SyntheticConfig
+from orpheus_tts_plugin.decoder import StreamingDecoder
+from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.tools.bench.common import print_table, run_metadata, write_json
 
 SIX = (
     "The first sentence is short. Here comes the second one. A third follows it. "

@@ -31,32 +31,10 @@ TEST_DEPS=("pytest>=8" "pytest-asyncio>=0.23" "pytest-xdist>=3.5")
 REV=1                   # bump when the steps below change
 
 BASE_STAMP="rev=$REV torch==$TORCH_VERSION pipecat-ai==$PIPECAT_VERSION livekit-agents==$LIVEKIT_VERSION"
-proj_stamp() { echo "root=$ROOT pyproject=$(sha256sum pyproject.toml | cut -d' ' -f1)"; }
 PINS=("torch==$TORCH_VERSION" "pipecat-ai[silero,websocket]==$PIPECAT_VERSION" "livekit-agents==$LIVEKIT_VERSION")
-
-VPY=$VENV/bin/python
-mkdir -p "$(dirname "$VENV")"
-if command -v flock >/dev/null; then
-    exec 9>"${TMPDIR:-/tmp}/orpheus-oldest-$(echo "$VENV" | sha256sum | cut -c1-16).lock"
-    flock 9   # another checkout may be building or re-linking the same cached venv
-fi
-if [ -x "$VPY" ] && [ "$(cat "$VENV/.orpheus-oldest-base" 2>/dev/null)" = "$BASE_STAMP" ] \
-    && [ "$(cat "$VENV/.orpheus-oldest-project" 2>/dev/null)" = "$(proj_stamp)" ]; then
-    echo "setup_matrix: $VENV is up to date (pipecat-ai $PIPECAT_VERSION, livekit-agents $LIVEKIT_VERSION)"
-    exit 0
-fi
-
-start=$(date +%s)
-if [ "$(cat "$VENV/.orpheus-oldest-base" 2>/dev/null)" != "$BASE_STAMP" ] || [ ! -x "$VPY" ]; then
-    # A partial or outdated venv is rebuilt from scratch: cheaper to reason about than repairing it.
-    rm -rf "$VENV"
-    "$PY" -m venv "$VENV"
-    echo '*' > "$VENV/.gitignore"   # keep git from listing the venv when it lies inside the work tree
-    "$VPY" -m pip install -q --upgrade pip
-    "$VPY" -m pip install -q "torch==$TORCH_VERSION"
-    echo "$BASE_STAMP" > "$VENV/.orpheus-oldest-base"
-    rm -f "$VENV/.orpheus-oldest-project"
-fi
+source scripts/cached_venv.sh
+cached_venv_open oldest setup_matrix "(pipecat-ai $PIPECAT_VERSION, livekit-agents $LIVEKIT_VERSION)"
+cached_venv_base
 
 # This package (editable) with everything at once, so that one resolve fits the pins and the package's own
 # dependencies together (the oldest livekit-agents caps opentelemetry, which holds fastapi back); quick when
@@ -79,5 +57,4 @@ import orpheus_tts_plugin.pipecat  # noqa: F401
 print(f"setup_matrix: pipecat-ai {md.version('pipecat-ai')}, livekit-agents {md.version('livekit-agents')}, "
       f"torch {md.version('torch')}")
 EOF
-proj_stamp > "$VENV/.orpheus-oldest-project"
-echo "setup_matrix: $VENV ready in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"
+cached_venv_done

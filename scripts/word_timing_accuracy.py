@@ -31,10 +31,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from orpheus_tts_plugin.spec import SAMPLE_RATE  # noqa: E402
-from orpheus_tts_plugin.words import (  # noqa: E402
+from orpheus_tts_plugin.spec import SAMPLE_RATE
+from orpheus_tts_plugin.words import (
     DEFAULT_WEIGHTS,
     Pace,
     Span,

@@ -1,8 +1,13 @@
-"""Shared fixtures: the random-weight test checkpoints, built once per test session."""
+"""Shared fixtures: the random-weight test checkpoints, built once per test session, and a runner of scripts/."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +35,22 @@ def full_snac_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def full_snac(full_snac_dir: Path) -> Any:
+    """The full 24 kHz SNAC (random weights), loaded once: read by every test, changed by none."""
+    from orpheus_tts_plugin.snac import load_snac
+
+    return load_snac(str(full_snac_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_snac(test_model_dir: Path) -> Any:
+    """The test model's tiny SNAC, loaded once: read by every test, changed by none."""
+    from orpheus_tts_plugin.snac import load_snac
+
+    return load_snac(str(test_model_dir / "snac"))
+
+
+@pytest.fixture(scope="session")
 def synthetic_config(test_model_dir: Path) -> EngineConfig:
     """A fast engine: synthetic tokens (no LLM), the real streaming decoder on the tiny SNAC."""
     return EngineConfig(
@@ -52,3 +73,16 @@ def hf_config(test_model_dir: Path) -> EngineConfig:
         max_batch_size=16,
         max_seq_len=2048,
     )
+
+
+@pytest.fixture
+def run_script() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run `python scripts/NAME ARGS` on this checkout's package (PYTHONPATH), not whichever one the venv installed."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+    def run(name: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, str(root / "scripts" / name), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, **kwargs)
+
+    return run

@@ -1,7 +1,8 @@
-"""Real servers for tests, on loopback: a free port, a server subprocess that is up once GET url/health is 200,
+"""Real servers for tests, on loopback: a server subprocess that is up once GET url/health is 200,
 `orpheus-tts serve` subprocesses (up once GET /ready is 200), and polling for an event with a deadline.
 
-Shared by tests/ and tests_vllm/ (the vLLM venv), so it imports only the standard library and pytest.
+Shared by tests/ and tests_vllm/ (the vLLM venv), so it imports only the standard library, pytest and the
+package's loopback probes (orpheus_tts_plugin/tools/loopback.py; the tests take free_port from there).
 """
 
 from __future__ import annotations
@@ -10,22 +11,16 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from orpheus_tts_plugin.tools.loopback import http_status
 
 
 @contextlib.contextmanager
@@ -74,13 +69,7 @@ def serve_args(snac: Path, port: int, token_rate: float, *extra: str) -> list[st
 
 def ready_status(port: int) -> int | None:
     """GET /ready's status, or None if nothing listens."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
+    return http_status(port, "/ready")
 
 
 @contextlib.contextmanager

@@ -28,8 +28,9 @@ from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, Gen
 from orpheus_tts_plugin.config import EngineConfig, SamplingParams
 from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.spec import ENGLISH
+from orpheus_tts_plugin.tools.loopback import free_port
 from orpheus_tts_plugin.weights import TOKENIZER, weight_sources
-from tests.servers import free_port, run_server
+from tests.servers import run_server
 
 SPEC = ENGLISH
 BASE = SPEC.custom_token_base

@@ -6,9 +6,9 @@ Benchmarks report figures; these tests check behaviour and structure only, never
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +21,6 @@ from orpheus_tts_plugin.tools.bench.engine import reference_decoder
 from orpheus_tts_plugin.tools.bench.figures import Utterance, capacity, play, summarize
 from orpheus_tts_plugin.tools.bench.reference import ReferenceDecoder, reference_decode
 
-ROOT = Path(__file__).resolve().parents[1]
 SECOND = 24_000  # samples
 
 
@@ -193,10 +192,10 @@ def test_bench_engine_rejects_unknown_schemes() -> None:
 # ------------------------------------------------------------------------------------ the GPU script
 
 
-def test_gpu_script_smoke_mode(tmp_path: Path, test_model_dir: Path) -> None:
+def test_gpu_script_smoke_mode(tmp_path: Path, test_model_dir: Path, run_script: Callable[..., Any]) -> None:
     out = tmp_path / "gpu.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--smoke", "--assets", str(test_model_dir)]
-    run = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    args = ("--smoke", "--assets", str(test_model_dir), "--out", str(out))
+    run = run_script("gpu_bench.py", *args, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["smoke"] and not result["errors"]

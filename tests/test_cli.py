@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orpheus_tts_plugin.tools.loopback import free_port
 from tests.model_dirs import model_with
-from tests.servers import free_port
 
 
 def orpheus_tts(*args: str) -> str:

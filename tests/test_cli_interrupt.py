@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from orpheus_tts_plugin import EngineError, RemoteEngine
+from orpheus_tts_plugin.tools.loopback import free_port
 from tests.model_dirs import model_with
-from tests.servers import default_sigint, free_port, serve_args, serve_process
+from tests.servers import default_sigint, serve_args, serve_process
 
 EXIT_S = 15.0  # "promptly": a few seconds, with slack for a loaded host
 LONG_TEXT = " ".join(f"Sentence number {i} is here, and it goes on for a while." for i in range(40))

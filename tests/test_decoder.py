@@ -14,11 +14,6 @@ from orpheus_tts_plugin.spec import SAMPLES_PER_FRAME
 from orpheus_tts_plugin.tools.bench.reference import reference_decode
 
 
-@pytest.fixture(scope="module")
-def snac(full_snac_dir: Path):
-    return load_snac(str(full_snac_dir))
-
-
 def _frames(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 4096, size=(n, 7))
 
@@ -36,22 +31,17 @@ def _stream(decoder: StreamingDecoder, frames: np.ndarray) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("n_frames", [1, 3, 4, 9])
-def test_streamed_audio_equals_the_offline_decode(snac, n_frames: int) -> None:
+def test_streamed_audio_equals_the_offline_decode(full_snac, n_frames: int) -> None:
     frames = _frames(n_frames, n_frames)
-    streamed = np.concatenate(_stream(StreamingDecoder(snac), frames))
-    offline = offline_decode(snac, frames)
+    streamed = np.concatenate(_stream(StreamingDecoder(full_snac), frames))
+    offline = offline_decode(full_snac, frames)
     assert streamed.size == offline.size == n_frames * SAMPLES_PER_FRAME
     assert np.abs(streamed.astype(int) - offline.astype(int)).max() <= 33
     assert np.abs(offline).max() > 1000  # real audio, not silence
 
 
-def test_noise_is_a_function_of_position(snac) -> None:
-    frames = _frames(5, 1)
-    assert np.array_equal(offline_decode(snac, frames), offline_decode(snac, frames))
-
-
-def test_first_chunk_after_four_frames_holds_every_sample_the_receptive_field_allows(snac) -> None:
-    decoder = StreamingDecoder(snac)
+def test_first_chunk_after_four_frames_holds_every_sample_the_receptive_field_allows(full_snac) -> None:
+    decoder = StreamingDecoder(full_snac)
     assert decoder.latency_samples == SNAC24_LATENCY == NullDecoder().latency_samples
     chunks = _stream(decoder, _frames(8, 2))
     first = 4 * SAMPLES_PER_FRAME - decoder.latency_samples
@@ -62,8 +52,8 @@ def test_first_chunk_after_four_frames_holds_every_sample_the_receptive_field_al
     assert sum(sizes) == 8 * SAMPLES_PER_FRAME
 
 
-def test_no_audio_before_four_frames(snac) -> None:
-    decoder = StreamingDecoder(snac)
+def test_no_audio_before_four_frames(full_snac) -> None:
+    decoder = StreamingDecoder(full_snac)
     state = decoder.new_state()
     state.pending.append(_frames(3, 3))
     assert not state.ready(decoder.first_chunk_frames)
@@ -71,16 +61,16 @@ def test_no_audio_before_four_frames(snac) -> None:
     assert state.ready(decoder.first_chunk_frames)
 
 
-def test_every_frame_is_decoded_once(snac) -> None:
-    decoder = StreamingDecoder(snac)
+def test_every_frame_is_decoded_once(full_snac) -> None:
+    decoder = StreamingDecoder(full_snac)
     _stream(decoder, _frames(12, 5))
     assert decoder.stats()["decoded_frames"] == 12 + decoder.flush_frames  # not 4 windows a frame
 
 
-def test_streams_at_the_same_point_share_one_call(snac) -> None:
-    decoder = StreamingDecoder(snac)
+def test_streams_at_the_same_point_share_one_call(full_snac) -> None:
+    decoder = StreamingDecoder(full_snac)
     states = [decoder.new_state() for _ in range(6)]
-    alone = StreamingDecoder(snac)
+    alone = StreamingDecoder(full_snac)
     solo = alone.new_state()
     frames = _frames(6, 6)
     for k in range(6):
@@ -96,17 +86,17 @@ def test_streams_at_the_same_point_share_one_call(snac) -> None:
                 assert np.abs(audio.astype(int) - ref.astype(int)).max() <= 1
 
 
-def test_edges_fade_in_and_out_without_a_click(snac) -> None:
-    audio = np.concatenate(_stream(StreamingDecoder(snac), _frames(6, 7))).astype(int)
+def test_edges_fade_in_and_out_without_a_click(full_snac) -> None:
+    audio = np.concatenate(_stream(StreamingDecoder(full_snac), _frames(6, 7))).astype(int)
     ramp = np.arange(FADE_SAMPLES) / FADE_SAMPLES * 32767 + 1
     assert audio[0] == 0 and audio[-1] == 0
     assert (np.abs(audio[:FADE_SAMPLES]) <= ramp).all()
     assert (np.abs(audio[::-1][:FADE_SAMPLES]) <= ramp).all()
 
 
-def test_reference_scheme_keeps_one_frame_of_a_four_frame_window(snac) -> None:
+def test_reference_scheme_keeps_one_frame_of_a_four_frame_window(full_snac) -> None:
     windows = np.stack([_frames(4, 8), _frames(4, 9)])
-    out = reference_decode(snac, windows)
+    out = reference_decode(full_snac, windows)
     assert out.shape == (2, SAMPLES_PER_FRAME)
 
 
@@ -117,29 +107,8 @@ def test_null_decoder_follows_the_same_schedule() -> None:
     assert sum(sizes) == 7 * SAMPLES_PER_FRAME
 
 
-def test_snac_with_attention_is_refused(tmp_path: Path) -> None:
-    import json
-
-    import torch
-    from snac import SNAC
-
-    config = {
-        "sampling_rate": 24000,
-        "encoder_rates": [2, 4, 8, 8],
-        "decoder_rates": [8, 8, 4, 2],
-        "encoder_dim": 8,
-        "decoder_dim": 64,
-        "vq_strides": [4, 2, 1],
-        "attn_window_size": 32,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    torch.save(SNAC(**config).state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match="attention"):
-        load_snac(str(tmp_path))
-
-
-def test_an_utterance_that_ended_before_its_first_decode_still_starts_with_a_short_chunk(snac) -> None:
-    decoder = StreamingDecoder(snac)
+def test_an_utterance_that_ended_before_its_first_decode_still_starts_with_a_short_chunk(full_snac) -> None:
+    decoder = StreamingDecoder(full_snac)
     frames = _frames(9, 11)
     state = decoder.new_state()
     state.pending.append(frames)
@@ -152,15 +121,10 @@ def test_an_utterance_that_ended_before_its_first_decode_still_starts_with_a_sho
         assert rest[-1].size <= 4 * SAMPLES_PER_FRAME
     assert len(rest) == 2  # frames 4-7, then frame 8 with the flush
     streamed = np.concatenate([first, *rest])
-    assert np.abs(streamed.astype(int) - offline_decode(snac, frames).astype(int)).max() <= 33
+    assert np.abs(streamed.astype(int) - offline_decode(full_snac, frames).astype(int)).max() <= 33
 
 
 # ---------------------------------------------------------------- pooled state, buckets, compilation
-
-
-@pytest.fixture(scope="module")
-def tiny(test_model_dir: Path):
-    return load_snac(str(test_model_dir / "snac"))
 
 
 def _steady(decoder: StreamingDecoder, frames: np.ndarray) -> list[list[np.ndarray]]:
@@ -181,41 +145,41 @@ def _steady(decoder: StreamingDecoder, frames: np.ndarray) -> list[list[np.ndarr
     return out
 
 
-def test_bucket_padding_never_leaks_into_another_streams_audio(tiny) -> None:
+def test_bucket_padding_never_leaks_into_another_streams_audio(tiny_snac) -> None:
     frames = np.stack([_frames(9, 20 + i) for i in range(3)])  # 3 rows: every call padded to 4
-    together = _steady(StreamingDecoder(tiny, max_streams=8), frames)
+    together = _steady(StreamingDecoder(tiny_snac, max_streams=8), frames)
     for i in range(3):
-        alone = _steady(StreamingDecoder(tiny, max_streams=8), frames[i : i + 1])[0]
+        alone = _steady(StreamingDecoder(tiny_snac, max_streams=8), frames[i : i + 1])[0]
         assert np.abs(np.concatenate(together[i]).astype(int) - np.concatenate(alone).astype(int)).max() <= 1
-        assert np.abs(np.concatenate(alone).astype(int) - offline_decode(tiny, frames[i]).astype(int)).max() <= 33
+        assert np.abs(np.concatenate(alone).astype(int) - offline_decode(tiny_snac, frames[i]).astype(int)).max() <= 33
 
 
-def test_a_slot_freed_mid_utterance_starts_clean_for_the_next_one(tiny) -> None:
-    decoder = StreamingDecoder(tiny, max_streams=1)
+def test_a_slot_freed_mid_utterance_starts_clean_for_the_next_one(tiny_snac) -> None:
+    decoder = StreamingDecoder(tiny_snac, max_streams=1)
     dropped = decoder.new_state()
     dropped.pending.append(_frames(6, 30))
     decoder.decode([dropped])  # takes the only slot and leaves state in it
     decoder.release(dropped)  # a cancelled utterance
     frames = _frames(5, 31)
     reused = np.concatenate(_steady(decoder, frames[None])[0])
-    assert np.abs(reused.astype(int) - offline_decode(tiny, frames).astype(int)).max() <= 33
+    assert np.abs(reused.astype(int) - offline_decode(tiny_snac, frames).astype(int)).max() <= 33
     assert decoder.stats()["decoder_free_slots"] == 1
 
 
-def test_aten_ops_per_steady_tick_do_not_grow_with_the_streams(tiny) -> None:
+def test_aten_ops_per_steady_tick_do_not_grow_with_the_streams(tiny_snac) -> None:
     from orpheus_tts_plugin.tools.bench.host import measure
 
-    one, many = measure(tiny, 1, False, 1), measure(tiny, 16, False, 1)
+    one, many = measure(tiny_snac, 1, False, 1), measure(tiny_snac, 16, False, 1)
     assert many["aten_ops_per_tick"] <= 1.2 * one["aten_ops_per_tick"]
 
 
-def test_the_compiled_decoder_decodes_what_the_eager_one_does(tiny) -> None:
+def test_the_compiled_decoder_decodes_what_the_eager_one_does(tiny_snac) -> None:
     frames = np.stack([_frames(7, 40 + i) for i in range(2)])
-    compiled = StreamingDecoder(tiny, max_streams=2, compile=True)
+    compiled = StreamingDecoder(tiny_snac, max_streams=2, compile=True)
     progress: list[tuple[int, int]] = []
     compiled.warm(lambda done, total: progress.append((done, total)))
     assert progress[-1] == (len(compiled.buckets()),) * 2
-    eager = _steady(StreamingDecoder(tiny, max_streams=2), frames)
+    eager = _steady(StreamingDecoder(tiny_snac, max_streams=2), frames)
     for a, b in zip(_steady(compiled, frames), eager):
         assert np.abs(np.concatenate(a).astype(int) - np.concatenate(b).astype(int)).max() <= 2
 

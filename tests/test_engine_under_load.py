@@ -300,11 +300,6 @@ async def test_a_request_queued_behind_a_full_batch_past_the_timeout_is_overload
         assert (await pcm(engine, "Let me in now.", seed=2)).size > 0
 
 
-def test_by_default_every_admitted_stream_has_a_batch_row() -> None:
-    config = EngineConfig()
-    assert config.batch_size == config.max_streams
-
-
 # ------------------------------------------------------------------ 5. input
 
 

@@ -3,20 +3,12 @@ weights, at its steady shape, against its matmul equivalent on the same host (a 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from orpheus_tts_plugin.snac import load_snac
 from orpheus_tts_plugin.tools.bench.layers import CLIFF_RATIO, profile
 
 ATTEMPTS = 3  # a layer must be over the ratio in every attempt: a noisy neighbour slows one, a cliff all
-
-
-@pytest.fixture(scope="module")
-def full_snac(full_snac_dir: Path):
-    return load_snac(str(full_snac_dir))
 
 
 def _cliffs(snac, rows: int) -> dict[str, float]:

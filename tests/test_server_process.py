@@ -20,7 +20,8 @@ import pytest
 from orpheus_tts_plugin import EngineError, EngineOverloadedError, OrpheusEngine, RemoteEngine
 from orpheus_tts_plugin.cli import build_parser
 from orpheus_tts_plugin.server.serve import engine_config
-from tests.servers import free_port, ready_status, serve_args, serve_process, until
+from orpheus_tts_plugin.tools.loopback import free_port
+from tests.servers import ready_status, serve_args, serve_process, until
 
 PACES = {"fast": 0.0, "paced": 400.0}  # synthetic tokens/s a stream
 TEXT = "Hello there. How are you today?"

@@ -21,9 +21,10 @@ import pytest
 
 from orpheus_tts_plugin import EngineConfig, EngineError, OrpheusEngine, RemoteEngine, SyntheticConfig
 from orpheus_tts_plugin.cli import main
-from orpheus_tts_plugin.types import AudioChunk
 from orpheus_tts_plugin.server.serve import ServerThread, serving_in_thread
-from tests.servers import free_port, serve_args, serve_processes, until
+from orpheus_tts_plugin.tools.loopback import free_port
+from orpheus_tts_plugin.types import AudioChunk
+from tests.servers import serve_args, serve_processes, until
 from tests.stubs import SPEED_IDS, SPEEDS, GatedBackend
 
 MAX_STREAMS = 8

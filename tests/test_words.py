@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import subprocess
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +26,6 @@ from orpheus_tts_plugin.words import (
 )
 from tests.stubs import SPEED_IDS, SPEEDS
 
-REPO = Path(__file__).resolve().parents[1]
 FRAME = 2048
 
 
@@ -169,10 +167,9 @@ async def test_an_engine_streams_words_come_out_in_order_inside_each_sentences_a
 
 
 @pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="needs espeak-ng")
-def test_on_espeak_speech_the_defaults_beat_an_equal_share_per_word(tmp_path: Path):
+def test_on_espeak_speech_the_defaults_beat_an_equal_share_per_word(tmp_path: Path, run_script: Callable[..., Any]):
     out = tmp_path / "accuracy.json"
-    script = REPO / "scripts" / "word_timing_accuracy.py"
-    subprocess.run([sys.executable, str(script), "--json", str(out)], check=True, capture_output=True, timeout=300)
+    run_script("word_timing_accuracy.py", "--json", str(out), check=True, timeout=300)
     import json
 
     views = {v["view"]: v for v in json.loads(out.read_text())["views"]}

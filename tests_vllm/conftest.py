@@ -24,7 +24,6 @@ except ImportError:  # not the vLLM venv (bash scripts/setup_vllm.sh makes it): 
     collect_ignore_glob = ["test_*.py"]
 
 SERVER_START_S = 180
-free_port = servers.free_port
 ROOT = Path(__file__).resolve().parents[1]  # this checkout: the server imports the logits processor from it
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import PYTHON, free_port, invalid_positions, run_server
+from conftest import PYTHON, invalid_positions, run_server
 
 from orpheus_tts_plugin.backends.openai_completions import OpenAICompletionsBackend
 from orpheus_tts_plugin.backends.protocol import FinishReason, GenerationRequest
@@ -24,6 +24,7 @@ from orpheus_tts_plugin.backends.vllm_logits import FQCN
 from orpheus_tts_plugin.codes import FrameParser
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
+from orpheus_tts_plugin.tools.loopback import free_port
 
 SPEC = ENGLISH
 PROMPT = (SPEC.start_of_human, SPEC.bos, 300, 301, 302, 303, *SPEC.prompt_suffix())

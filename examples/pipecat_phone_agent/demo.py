@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from orpheus_tts_plugin.affinity import allowed_cpus
+from orpheus_tts_plugin.tools.loopback import free_port
 
 from .caller import CallScript, print_summary, run_calls
 from .make_fixtures import load_fixtures
@@ -49,12 +49,6 @@ def ensure_test_model(directory: Path, snac: str = "tiny") -> Path:
 
         make_test_model(directory, snac=snac)
     return directory
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str) -> Any:

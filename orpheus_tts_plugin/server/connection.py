@@ -211,10 +211,6 @@ class Connection:
         finally:
             self._stats.pop(req, None)
 
-    @property
-    def live_streams(self) -> int:
-        return len(self._sinks)
-
     async def aclose(self, error: BaseException | None = None) -> None:
         """Close the socket; open streams end with `error` (default: an EngineError saying so)."""
         self._end_all(error or EngineError(f"connection to {self.url} closed"))

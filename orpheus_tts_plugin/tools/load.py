@@ -21,7 +21,6 @@ import contextlib
 import multiprocessing
 import os
 import shlex
-import socket
 import ssl
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .bench.engine import BenchOptions, _progress, constant_traffic, variable_traffic
 from .bench.figures import Utterance, capacity, report, summarize
 from .bench.utterances import UTTERANCES
+from .loopback import free_port
 
 if TYPE_CHECKING:
     from ..engine import OrpheusEngine
@@ -250,18 +250,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _spawned_server(serve_flags: str) -> Iterator[tuple[str, str | None]]:
     """`orpheus-tts serve FLAGS` on a free loopback port until the block ends: (its URL, its cert file or None)."""
     flags = shlex.split(serve_flags)
     if "--uds" not in flags:  # later flags win: a free loopback port whatever the flags say
-        flags += ["--host", "127.0.0.1", "--port", str(_free_port())]
+        flags += ["--host", "127.0.0.1", "--port", str(free_port())]
     parsed = _serve_parser().parse_args(flags)
     scheme = "wss" if parsed.ssl_certfile else "ws"
     url = f"unix:{parsed.uds}" if parsed.uds else f"{scheme}://127.0.0.1:{parsed.port}"

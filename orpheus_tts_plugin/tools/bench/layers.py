@@ -40,9 +40,9 @@ def gemm_shape(layer: Any, rows: int, n: int) -> tuple[int, int, int] | None:
     from ...layers import _Conv, _ConvTranspose, _Noise, _Pointwise
 
     if isinstance(layer, _ConvTranspose):
-        return layer.matrix.shape[0], layer.in_channels, rows * (n + 1)
+        return layer.gemm.out_features, layer.in_channels, rows * (n + 1)
     if isinstance(layer, (_Pointwise, _Noise)):
-        return layer.matrix.shape[0], layer.in_channels, rows * n
+        return layer.gemm.out_features, layer.in_channels, rows * n
     if isinstance(layer, _Conv) and layer.groups == 1:
         out, per_group, k = layer.weight.shape
         return out, per_group * k, rows * n
@@ -129,11 +129,11 @@ def replaced_call(layer: Any, rows: int) -> Callable[[], Any] | None:
     n = layer.per_frame
     if isinstance(layer, _ConvTranspose):
         s = layer.stride
-        weight = layer.matrix.t().reshape(layer.in_channels, layer.out_channels, 2 * s).contiguous()
+        weight = layer.gemm.weight.t().reshape(layer.in_channels, layer.out_channels, 2 * s).contiguous()
         bias, window = layer.bias.view(-1), torch.randn(rows, layer.in_channels, n + 1)
         return lambda: F.conv_transpose1d(window, weight, bias, stride=s)[..., s : (n + 1) * s]
     if isinstance(layer, (_Pointwise, _Noise)):
-        x, weight = torch.randn(rows, layer.in_channels, n), layer.matrix.unsqueeze(-1)
+        x, weight = torch.randn(rows, layer.in_channels, n), layer.gemm.weight.unsqueeze(-1)
         return lambda: F.conv1d(x, weight)
     if isinstance(layer, _Conv) and layer.taps is not None:
         window = torch.randn(rows, layer.in_channels, n + layer.context)

@@ -28,9 +28,9 @@ from .backends.protocol import BackendError, FinishReason, GenerationRequest, Pa
 from .codes import FrameParser
 from .config import EngineConfig, SamplingOverrides
 from .decode_worker import CallerStream, DecodeWorker, Utterance
-from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
+from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError
+from .loading import load
 from .loop_thread import LoopThread, SharedInstances, post
-from .progress import progress
 from .prompt import prompt_ids, token_budget
 from .spec import ModelSpec, spec_for
 from .text import split_sentences
@@ -160,44 +160,15 @@ class OrpheusEngine:
             self._fail("the engine loop stopped")
 
     async def _boot(self) -> None:
-        """Load everything on the engine loop; a failure other than an EngineError arrives as a ModelLoadError."""
+        """Load everything on the engine loop (every start() caller gets a failure itself)."""
         try:
-            await self._load()
+            parts = await load(self.config, self.spec, backend=self._custom_backend, decoder=self._custom_decoder)
         except BaseException as exc:
-            log.debug("Orpheus engine failed to start: %s", exc)  # every start() caller gets the error itself
-            if isinstance(exc, Exception) and not isinstance(exc, EngineError):
-                raise ModelLoadError(f"the engine failed to load: {type(exc).__name__}: {exc}") from exc
+            log.debug("Orpheus engine failed to start: %s", exc)
             raise
-
-    async def _load(self) -> None:
-        from .backends import make_backend, make_tokenizer
-        from .decoder import make_decoder
-        from .device import resolve_device
-        from .weights import SNAC, TOKENIZER, load_error, require_weights
-
-        cfg = self.config
-        device = resolve_device(cfg.device)
-        source = cfg.tokenizer or cfg.model
-        try:
-            await asyncio.to_thread(require_weights, "the tokenizer", source, TOKENIZER)
-            self._tokenizer = await asyncio.to_thread(make_tokenizer, cfg)
-        except (OSError, ValueError) as exc:
-            raise load_error("the tokenizer", source, exc) from exc
-        try:
-            if self._custom_decoder is None and cfg.decoder == "snac":
-                await asyncio.to_thread(require_weights, "SNAC", cfg.snac, SNAC)
-            decoder = self._custom_decoder or await asyncio.to_thread(make_decoder, cfg, device)
-        except (OSError, ValueError) as exc:
-            raise load_error("SNAC", cfg.snac, exc) from exc
-        if cfg.compile and hasattr(decoder, "warm"):  # compile (and capture) every bucket now, not on the hot path
-            await asyncio.to_thread(decoder.warm, progress("compiling decoder buckets"))
-        self._backend = self._custom_backend or make_backend(cfg, self.spec, device)
-        try:
-            await self._backend.start()
-        except (OSError, ValueError) as exc:
-            raise load_error(f"the {cfg.backend} model", cfg.model, exc) from exc
+        self._tokenizer, self._backend = parts.tokenizer, parts.backend
         self._worker = DecodeWorker(
-            decoder, self._stream_done, self._stream_failed, self._decoder_died, cfg.decode_ahead_s
+            parts.decoder, self._stream_done, self._stream_failed, self._decoder_died, self.config.decode_ahead_s
         )
 
     async def aclose(self) -> None:

@@ -11,9 +11,8 @@ Each part has a time budget and records what it skipped; a failing part is recor
 The GPU machine has no network and only PyTorch, Triton and transformers. Fetch snac and einops here, where
 there is network, into the repository copy that travels to the GPU machine:
     pip download snac==1.2.1 einops --no-deps -d wheels/
-There, install them and this package without their dependencies, then run:
-    pip install --no-deps wheels/*.whl && pip install --no-deps --no-build-isolation -e .
-    python scripts/gpu_bench.py --out docs/gpu-h200.json
+There, put them and this checkout on the import path (pure-Python wheels import from the zip), then run:
+    PYTHONPATH=".:$(ls wheels/*.whl | paste -sd:)" python scripts/gpu_bench.py --out docs/gpu-h200.json
 CPU smoke test (tiny sizes, seconds; what CI runs):
     python scripts/gpu_bench.py --smoke --out /tmp/gpu-smoke.json
 """

@@ -344,8 +344,8 @@ def test_text_must_be_a_string() -> None:
 def test_a_seed_applies_to_sentence_i_as_seed_plus_i_wrapping_below_2_63() -> None:
     engine = OrpheusEngine(EngineConfig(model=None, backend="synthetic", decoder="null"))
     engine._tokenizer = lambda text: {"input_ids": [ENGLISH.bos, *text.encode()]}  # no start() needed
-    voice, sampling = engine.check_options(seed=2**63 - 1)
-    seeds = [engine._request(_StreamStub(), i, "Hi.", voice, sampling)[0].sampling.seed for i in range(3)]
+    options = engine.check_options(seed=2**63 - 1)
+    seeds = [engine._request(_StreamStub(), i, "Hi.", options)[0].sampling.seed for i in range(3)]
     assert seeds == [2**63 - 1, 0, 1]
 
 

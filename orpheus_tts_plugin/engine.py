@@ -21,7 +21,6 @@ import logging
 import math
 import threading
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .backends.protocol import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
@@ -31,7 +30,7 @@ from .decode_worker import CallerStream, DecodeWorker, Utterance
 from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError
 from .loading import load
 from .loop_thread import LoopThread, SharedInstances, post
-from .prompt import prompt_ids, token_budget
+from .prompt import sentence_requests
 from .spec import ModelSpec, spec_for
 from .text import split_sentences
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
@@ -277,7 +276,7 @@ class OrpheusEngine:
             return
         await self.start()
         stream = CallerStream(asyncio.get_running_loop())
-        requests = [self._request(stream, i, piece, options) for i, piece in enumerate(pieces)]
+        requests = sentence_requests(stream.id, pieces, options, self._tokenizer, self.spec, self.config)
         self._admit(stream)
         self._loop.call_soon_threadsafe(self._begin, stream, requests, token_log)
         complete = False
@@ -297,23 +296,6 @@ class OrpheusEngine:
                 self._count("streams_failed" if stream.box.ended else "streams_cancelled")
                 with contextlib.suppress(RuntimeError):  # RuntimeError: the engine loop is already closed
                     self._loop.call_soon_threadsafe(self._cancel, stream)
-
-    def _request(
-        self, stream: CallerStream, i: int, text: str, options: SpeechOptions
-    ) -> tuple[GenerationRequest, str]:
-        cfg, sampling = self.config, options.sampling
-        limit, kind = token_budget(text, cfg.token_budget_per_char, cfg.token_budget_base, sampling.max_tokens)
-        seed = None if sampling.seed is None else (sampling.seed + i) % 2**63
-        req = GenerationRequest(
-            request_id=f"{stream.id}-{i}",
-            prompt_ids=prompt_ids(self._tokenizer, self.spec, text, options.voice),
-            sampling=replace(sampling, seed=seed),
-            max_new_tokens=limit,
-            stop_ids=self.spec.stop_ids(),
-            constrain_audio=cfg.constrain_audio,
-            priority=i > 0,  # a stream already speaking goes before new ones
-        )
-        return req, kind
 
     def _admit(self, stream: CallerStream) -> None:
         with self._lock:

@@ -1,10 +1,18 @@
-"""Prompt token ids: [start of human] + tokenizer("voice: text") + [eot, end of human, start of AI, start of speech]."""
+"""What each sentence asks of a backend: its prompt ids, its token budget, its request.
+
+Prompt: [start of human] + tokenizer("voice: text") + [eot, end of human, start of AI, start of speech].
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol
 
+from .backends.protocol import GenerationRequest
+from .config import SEED_LIMIT, EngineConfig
 from .spec import ModelSpec
+from .types import SpeechOptions
 
 
 class Tokenizer(Protocol):
@@ -35,3 +43,34 @@ def token_budget(text: str, per_char: float, base: int, max_tokens: int) -> tupl
     if budget < max_tokens:
         return budget, "budget"
     return max_tokens, "max_tokens"
+
+
+def sentence_requests(
+    stream_id: str,
+    sentences: Sequence[str],
+    options: SpeechOptions,
+    tokenizer: Tokenizer,
+    spec: ModelSpec,
+    cfg: EngineConfig,
+) -> list[tuple[GenerationRequest, str]]:
+    """One request per sentence, with which limit caps it ("budget" or "max_tokens").
+
+    Sentence i is seeded with seed + i (wrapping below 2**63), so it equals that sentence spoken alone with
+    seed + i; every sentence after the first goes before new streams (`priority`).
+    """
+    out = []
+    for i, text in enumerate(sentences):
+        sampling = options.sampling
+        limit, kind = token_budget(text, cfg.token_budget_per_char, cfg.token_budget_base, sampling.max_tokens)
+        seed = None if sampling.seed is None else (sampling.seed + i) % SEED_LIMIT
+        request = GenerationRequest(
+            request_id=f"{stream_id}-{i}",
+            prompt_ids=prompt_ids(tokenizer, spec, text, options.voice),
+            sampling=replace(sampling, seed=seed),
+            max_new_tokens=limit,
+            stop_ids=spec.stop_ids(),
+            constrain_audio=cfg.constrain_audio,
+            priority=i > 0,
+        )
+        out.append((request, kind))
+    return out

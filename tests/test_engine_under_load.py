@@ -26,6 +26,7 @@ from orpheus_tts_plugin import (
 )
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.decoder import StreamingDecoder
+from orpheus_tts_plugin.prompt import sentence_requests
 from orpheus_tts_plugin.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from orpheus_tts_plugin.text import split_sentences
@@ -342,15 +343,12 @@ def test_text_must_be_a_string() -> None:
 
 
 def test_a_seed_applies_to_sentence_i_as_seed_plus_i_wrapping_below_2_63() -> None:
-    engine = OrpheusEngine(EngineConfig(model=None, backend="synthetic", decoder="null"))
-    engine._tokenizer = lambda text: {"input_ids": [ENGLISH.bos, *text.encode()]}  # no start() needed
-    options = engine.check_options(seed=2**63 - 1)
-    seeds = [engine._request(_StreamStub(), i, "Hi.", options)[0].sampling.seed for i in range(3)]
+    config = EngineConfig(model=None, backend="synthetic", decoder="null")
+    options = OrpheusEngine(config).check_options(seed=2**63 - 1)
+    tokenizer = lambda text: {"input_ids": [ENGLISH.bos, *text.encode()]}  # noqa: E731
+    requests = sentence_requests("s", ["Hi."] * 3, options, tokenizer, ENGLISH, config)
+    seeds = [request.sampling.seed for request, _ in requests]
     assert seeds == [2**63 - 1, 0, 1]
-
-
-class _StreamStub:
-    id = "s"
 
 
 # ------------------------------------------------------------------ 9. memory

@@ -1,7 +1,7 @@
 """Pipecat adapter: `OrpheusTTSService` speaks through an in-process `OrpheusEngine` shared by every call.
 
 Contracts with Pipecat 1.14's `TTSService` (services/tts_service.py), each kept in one place below, through
-Pipecat's public API only (tests/test_adapter_public_api.py); each workaround names what the API lacks:
+Pipecat's public API only (tests/adapters/test_public_api.py); each workaround names what the API lacks:
 
 - Start-up: `start()` only begins the engine's load (`prewarm()`), so a load never runs inside
   `PipelineWorker`'s start timeout (pipeline/worker.py, `start_timeout_secs`, 20 s by default); synthesis

@@ -6,7 +6,8 @@
 #
 # Measured on 2 shared CPU cores (PyPI reachable, torch wheel on local disk, pip's cache warm): a fresh install
 # takes ~1 min (56 s), the venv is 1.8 GiB; a re-run on a complete venv takes ~25 ms (stamp check), and a new
-# checkout path or pyproject.toml only re-installs this package (~6 s). Its tests: 182 in ~2 min 45 s (-n 2).
+# checkout path or pyproject.toml only re-installs this package (~6 s). Its tests (the Pipecat and LiveKit files
+# of tests/adapters/ and tests/examples/test_livekit_example.py, as .ci/run names them): 182 in ~2 min 45 s (-n 2).
 # CI that clones afresh each run caches it by pointing OLDEST_VENV outside the clone (.ci/run does:
 # ${XDG_CACHE_HOME:-$HOME/.cache}/orpheus-tts/venv-oldest); runs sharing it take turns (flock).
 set -euo pipefail
@@ -24,8 +25,8 @@ if [ -z "$PIPECAT_VERSION" ] || [ -z "$LIVEKIT_VERSION" ]; then
     echo "setup_matrix: no lower bound found for pipecat-ai or livekit-agents in pyproject.toml" >&2
     exit 1
 fi
-# What the adapter tests need besides the frameworks: the engine server (test_livekit_example and
-# test_livekit_process_jobs start one) and the test runner. Not the whole `dev` extra (nvidia-modelopt, ...).
+# What the adapter tests need besides the frameworks: the engine server (test_livekit_example, test_livekit_worker
+# and test_remote_engine start one) and the test runner. Not the whole `dev` extra (nvidia-modelopt, ...).
 EXTRAS=server,remote
 TEST_DEPS=("pytest>=8" "pytest-asyncio>=0.23" "pytest-xdist>=3.5")
 REV=1                   # bump when the steps below change

@@ -1,12 +1,15 @@
-"""Backends for tests that need to hold a request at a point of their choosing (no sleeps, no timing luck)."""
+"""Helpers shared by test files: backends that hold a request at a point of the test's choosing (no sleeps, no
+timing luck), the two generation speeds, an engine started for a block."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
-from orpheus_tts_plugin import SyntheticConfig
+from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 
 SPEEDS = {"faster": 0.0, "slower": 300.0}  # synthetic tokens a second a stream; 0: as fast as the thread steps
@@ -31,3 +34,14 @@ class GatedBackend(SyntheticBackend):
             time.sleep(0.005)
             return [([], None)] * len(states)
         return super()._step(states)
+
+
+@contextlib.asynccontextmanager
+async def started(config: EngineConfig, **kwargs: Any) -> AsyncIterator[OrpheusEngine]:
+    """A started engine of its own, closed on exit."""
+    engine = OrpheusEngine(config, **kwargs)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.aclose()

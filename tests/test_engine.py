@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import random
 import threading
 import time
@@ -16,8 +15,6 @@ import pytest
 
 from orpheus_tts_plugin import EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
-from orpheus_tts_plugin.decode_worker import held_until
-from orpheus_tts_plugin.decoder import DecodeState
 from orpheus_tts_plugin.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE, SAMPLES_PER_FRAME
 from orpheus_tts_plugin.tools.replay import replay_offline
@@ -179,19 +176,6 @@ async def test_a_stream_ahead_of_real_time_is_decoded_several_frames_a_call_with
     held_sizes = heard[0.0][1][1:-1]  # past the first chunk, before the utterance's end
     assert 4 * SAMPLES_PER_FRAME in held_sizes  # frames waited to be decoded four at a time
     assert heard[0.0][2]["decoder_calls"] <= heard[None][2]["decoder_calls"]
-
-
-def test_frames_wait_only_while_their_stream_is_ahead_and_never_for_a_first_chunk_or_an_end() -> None:
-    def state(frames_in: int, pending: int, final: bool = False) -> DecodeState:
-        return DecodeState(frames_in=frames_in, final=final, pending=[np.zeros((pending, 7), np.int64)])
-
-    second = SAMPLE_RATE  # one second of audio delivered, its first at t = 100
-    assert held_until(state(4, 1), 100.0, second, 0.5, 4) == 100.5  # ahead until 0.5 s before it runs out
-    assert held_until(state(4, 3), 100.0, second, 0.5, 4) == 100.5
-    assert held_until(state(4, 4), 100.0, second, 0.5, 4) == -math.inf  # enough frames for one call
-    assert held_until(state(0, 2), None, 0, 0.5, 4) == -math.inf  # a first chunk
-    assert held_until(state(4, 1, final=True), 100.0, second, 0.5, 4) == -math.inf  # the utterance's end
-    assert held_until(state(4, 1), 100.0, second, math.inf, 4) == -math.inf  # holding turned off
 
 
 def _stalling(speed: EngineConfig) -> EngineConfig:

@@ -7,9 +7,7 @@ through the public API: OrpheusEngine with an injected backend or decoder where 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -30,7 +28,7 @@ from orpheus_tts_plugin.prompt import sentence_requests
 from orpheus_tts_plugin.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from orpheus_tts_plugin.text import split_sentences
-from tests.stubs import SPEED_IDS, SPEEDS, GatedBackend
+from tests.stubs import SPEED_IDS, SPEEDS, GatedBackend, started
 
 SIX = (
     "The first sentence is short. Here comes the second one. A third follows it. "
@@ -41,16 +39,6 @@ SIX = (
 @pytest.fixture(params=list(SPEEDS.values()), ids=SPEED_IDS)
 def config(request: pytest.FixtureRequest, synthetic_config: EngineConfig) -> EngineConfig:
     return replace(synthetic_config, synthetic=SyntheticConfig(tokens_per_second=request.param))
-
-
-@contextlib.asynccontextmanager
-async def started(config: EngineConfig, **kwargs: Any) -> AsyncIterator[OrpheusEngine]:
-    engine = OrpheusEngine(config, **kwargs)
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.aclose()
 
 
 async def pcm(engine: OrpheusEngine, text: str, **options: Any) -> np.ndarray:

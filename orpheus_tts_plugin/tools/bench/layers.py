@@ -7,7 +7,7 @@ has no GEMM in it, beside its k shifted multiply-adds. A layer of n aten operato
 beat n tiny ones, so the denominator is the larger of the equivalent and n tiny GEMMs. The ratio is a
 property of the host's kernels, not of its speed: a kernel cliff (SNAC's first transposed convolution took
 24× its matmul as `conv_transpose1d` on an AMD EPYC) shows as a large ratio on any host, and
-`tests/test_kernel_cliffs.py` fails on it. Layers that left `F.conv1d`/`F.conv_transpose1d` for a GEMM
+`tests/test_layers.py` fails on it. Layers that left `F.conv1d`/`F.conv_transpose1d` for a GEMM
 formulation are also timed as the call they replaced, side by side.
 """
 

@@ -17,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "orpheus_tts_plugin"
+PACKAGE = Path(__file__).resolve().parents[2] / "orpheus_tts_plugin"
 UPSTREAM = ("pipecat", "livekit")
 
 # Uses the public API has no workaround for: (framework, name) -> why. The test fails on any use not listed

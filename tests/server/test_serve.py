@@ -1,4 +1,5 @@
-"""`orpheus-tts serve` as a process of its own: killed mid-stream and brought back, and the SIGTERM drain.
+"""`orpheus-tts serve`: as a process of its own (killed mid-stream and brought back, the SIGTERM drain, `--cpus`,
+keys), a drain past its deadline, and a missing server dependency.
 
 Each test runs with generation faster than decoding (synthetic tokens flat out) and slower (paced).
 """
@@ -17,14 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orpheus_tts_plugin import EngineError, EngineOverloadedError, OrpheusEngine, RemoteEngine
+from orpheus_tts_plugin import EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine, RemoteEngine
 from orpheus_tts_plugin.cli import build_parser
 from orpheus_tts_plugin.server.serve import engine_config
 from orpheus_tts_plugin.tools.loopback import free_port
+from tests.server.harness import PACES, TEXT, endless, serving
 from tests.servers import ready_status, serve_args, serve_process, until
 
-PACES = {"fast": 0.0, "paced": 400.0}  # synthetic tokens/s a stream
-TEXT = "Hello there. How are you today?"
 HOLD_TOKENS = {"fast": 7000, "paced": 2000}  # a few seconds of one stream either way (decoding or generating)
 
 
@@ -134,3 +134,39 @@ def test_serve_with_an_unreadable_key_file_fails_in_one_line(tmp_path: Path) -> 
     assert run.returncode == 2
     (line,) = run.stderr.strip().splitlines()
     assert line.startswith(f"orpheus-tts serve: error: cannot read the API key file {tmp_path / 'missing'}: No such")
+
+
+async def test_a_drain_past_its_deadline_ends_open_streams_with_an_engine_error(config: EngineConfig) -> None:
+    with serving(endless(config), drain_timeout_s=0.3) as srv:
+        remote = RemoteEngine(srv.url)
+        chunks = remote.synthesize(TEXT, max_tokens=1_000_000)
+        await chunks.__anext__()
+        srv.server.begin_drain()
+        with pytest.raises(EngineError) as ended:
+            async for _ in chunks:
+                pass
+        assert type(ended.value) is EngineError  # not EngineClosedError: for a client, that server went away
+        await until(lambda: srv.server.drained is False)
+        await remote.aclose()
+
+
+@pytest.mark.parametrize(
+    ("module", "use"),
+    [
+        ("fastapi", "from orpheus_tts_plugin.cli import main; main(['serve', '--backend', 'synthetic'])"),
+        ("uvicorn", "from orpheus_tts_plugin.cli import main; main(['serve', '--backend', 'synthetic'])"),
+        ("prometheus_client", "from orpheus_tts_plugin.cli import main; main(['serve', '--backend', 'synthetic'])"),
+        (
+            "websockets",
+            "import orpheus_tts_plugin as o\ntry:\n    o.RemoteEngine\nexcept ImportError as e:\n    print(e)",
+        ),
+    ],
+)
+def test_a_missing_server_dependency_is_one_line_naming_the_extra(module: str, use: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys; sys.modules[{module!r}] = None\n{use}\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = (done.stdout + done.stderr).strip()
+    assert out.count("\n") == 0 and "pip install 'orpheus-tts-plugin[server]'" in out, out

@@ -287,7 +287,7 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_ctrl_c_during_the_demo_stops_it_and_its_servers_with_one_line_and_status_130(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "examples.pipecat_phone_agent.demo", "--out", str(out), "--calls", "1"]
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint)
     deadline = time.monotonic() + 300
     while not (out / "server-serve.log").exists():  # the TTS server is up and the agent starting: calls are next

@@ -36,8 +36,6 @@ from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineWorker
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.workers.runner import WorkerRunner
-from test_phone_agent import needs_espeak
-from test_pipecat_service import Recorder
 
 from examples.pipecat_phone_agent import mulaw
 from examples.pipecat_phone_agent.caller import Line
@@ -47,6 +45,8 @@ from examples.pipecat_phone_agent.demo import REPO_ROOT, agent_server, settled_s
 from examples.pipecat_phone_agent.failures import APOLOGY, EndOnStageFailure, MuteWhileEnding
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine
 from orpheus_tts_plugin.pipecat import OrpheusTTSService
+from tests.adapters.test_pipecat import Recorder
+from tests.examples.test_phone_agent import needs_espeak
 from tests.stubs import SPEED_IDS, SPEEDS
 
 LLM_MODEL = "test-llm"

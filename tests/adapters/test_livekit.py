@@ -7,7 +7,6 @@ cancellation, admission and many event loops: test_livekit_contract.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
@@ -23,19 +22,9 @@ from orpheus_tts_plugin import livekit as orpheus
 from orpheus_tts_plugin.backends.protocol import FinishReason
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.spec import SAMPLE_RATE
+from tests.stubs import started
 
 STORY = "Once upon a time there was a tiny model. It spoke in random noise. Everyone listened anyway."
-
-
-@contextlib.asynccontextmanager
-async def running(config: EngineConfig, **kwargs: object) -> AsyncIterator[OrpheusEngine]:
-    """A started engine of its own, closed on exit."""
-    engine = OrpheusEngine(config, **kwargs)
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.aclose()
 
 
 def _module_engine(config: EngineConfig) -> Iterator[OrpheusEngine]:
@@ -204,7 +193,7 @@ class _FailingBackend(SyntheticBackend):
 
 
 async def test_backend_failure_is_a_retryable_connection_error(synthetic_config: EngineConfig) -> None:
-    async with running(synthetic_config, backend=_FailingBackend()) as engine:
+    async with started(synthetic_config, backend=_FailingBackend()) as engine:
         tts = orpheus.TTS(engine=engine)
         errors = _errors(tts)
         with pytest.raises(APIConnectionError) as exc_info:
@@ -214,7 +203,7 @@ async def test_backend_failure_is_a_retryable_connection_error(synthetic_config:
 
 
 async def test_a_closed_engine_is_not_retried(synthetic_config: EngineConfig) -> None:
-    async with running(synthetic_config) as engine:
+    async with started(synthetic_config) as engine:
         pass
     tts = orpheus.TTS(engine=engine)
     errors = _errors(tts)

@@ -19,7 +19,7 @@ import pytest
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine
 from orpheus_tts_plugin.server.serve import serving_in_thread
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "livekit_agent.py"
 DEADLINE_S = 180.0  # a subprocess that outlives this has hung
 

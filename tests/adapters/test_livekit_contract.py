@@ -13,7 +13,7 @@ Every test runs twice: generation faster than decoding (unpaced synthetic tokens
 sleeps; timeouts are generous where audio must flow within them.
 
 Run as a script, this file measures the FallbackAdapter's failover time (docs/livekit.md):
-`.venv/bin/python tests/test_livekit_contract.py`.
+`.venv/bin/python tests/adapters/test_livekit_contract.py`.
 """
 
 from __future__ import annotations

@@ -35,10 +35,9 @@ from orpheus_tts_plugin import SyntheticConfig as Synthetic
 from orpheus_tts_plugin.server import protocol
 from orpheus_tts_plugin.server.policy import Policy, bearer, load_keys
 from orpheus_tts_plugin.server.serve import ServerThread, _loopback, serving_in_thread
+from tests.server.harness import PACES, TEXT
 
-PACES = {"fast": 0.0, "paced": 400.0}  # synthetic tokens/s a stream: 0 outruns the decoder, 400 makes it wait
 KEY, OTHER_KEY, METRICS_KEY = "k-" + "a" * 30, "k-" + "b" * 30, "m-" + "c" * 30
-TEXT = "Hello there. How are you today?"
 SHORT = {"model": "m", "input": TEXT, "max_tokens": 200}  # an HTTP request that ends
 POLICY = Policy(
     api_keys=frozenset({KEY, OTHER_KEY}),

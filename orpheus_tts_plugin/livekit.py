@@ -57,6 +57,7 @@ try:
         tts,
         utils,
     )
+    from livekit.agents.language import LanguageCode
     from livekit.agents.types import NOT_GIVEN, NotGivenOr, TimedString
 except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
     raise missing_extra("livekit", "the LiveKit adapter", exc) from exc
@@ -104,6 +105,7 @@ class TTS(tts.TTS):
         engine: SpeechEngine | None = None,
         config: EngineConfig | None = None,
         voice: str | None = None,
+        language: str | None = None,
         sampling: SamplingOverrides | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
         word_weights: Weights = DEFAULT_WEIGHTS,
@@ -111,8 +113,12 @@ class TTS(tts.TTS):
     ) -> None:
         """Speak through `engine`, or through the process-wide engine of `config` (the default config if neither).
 
-        Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty,
-        max_tokens, seed); None uses the engine's default. `sentence_tokenizer` decides where
+        `language` (a code such as "fr" or "de-AT", or a `LanguageCode`): the language to speak, one the
+        engine's model family speaks (ValueError otherwise); without `voice` it picks that language's default
+        voice (docs/voices.md). None: the family's own language.
+
+        Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty, max_tokens,
+        seed); None uses the engine's default. `sentence_tokenizer` decides where
         `stream()` cuts pushed text into requests (default: LiveKit's blingfire sentence splitter).
         `word_weights`: how the aligned transcript's word times are estimated (docs/word-timestamps.md).
         """
@@ -125,8 +131,11 @@ class TTS(tts.TTS):
         )
         self._engine = _engine_for(engine or config)
         # Checked here and at each update_options (TypeError/ValueError now, not mid-call), then passed as they are.
-        self._opts: SpeechOptions = self._engine.check_options(voice, sampling, **overrides)
-        self._voice = voice  # as given (None: the engine's default)
+        self._language = self._check_language(language)
+        self._voice = voice  # as given (None: the language's default voice)
+        self._opts: SpeechOptions = self._engine.check_options(
+            self._voice_for(voice, self._language), sampling, **overrides
+        )
         self._sentence_tokenizer = (
             sentence_tokenizer if utils.is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
         )
@@ -142,6 +151,11 @@ class TTS(tts.TTS):
         return self._opts.voice
 
     @property
+    def language(self) -> LanguageCode | None:
+        """The language spoken: as set (normalised, e.g. "fr-FR"), or the model family's own; None if not known."""
+        return self._language
+
+    @property
     def model(self) -> str:
         return self._engine.config.model or self._engine.config.backend
 
@@ -150,13 +164,38 @@ class TTS(tts.TTS):
         return "orpheus"
 
     def update_options(
-        self, *, voice: NotGivenOr[str | None] = NOT_GIVEN, **overrides: NotGivenOr[float | int | None]
+        self,
+        *,
+        voice: NotGivenOr[str | None] = NOT_GIVEN,
+        language: NotGivenOr[str | None] = NOT_GIVEN,
+        **overrides: NotGivenOr[float | int | None],
     ) -> None:
-        """Change options for streams created from now on: voice and sampling fields (None restores the default)."""
+        """Change options for streams created from now on: voice, language and sampling fields (None restores the
+        default). A new language without a voice keeps the current voice if it speaks that language, else takes
+        the language's default voice; a language the model family does not speak is a ValueError."""
         changes = {k: v for k, v in overrides.items() if utils.is_given(v)}
-        new_voice = voice if utils.is_given(voice) else self._voice
-        self._opts = self._engine.check_options(new_voice, self._opts.overrides, **changes)
-        self._voice = new_voice
+        new_language, new_voice = self._language, voice if utils.is_given(voice) else self._voice
+        if utils.is_given(language):
+            new_language = self._check_language(language)
+            if not utils.is_given(voice) and self._voice is not None and new_language is not None:
+                new_voice = self._engine.spec.voice_for_language(new_language.language, self._voice)
+        opts = self._engine.check_options(self._voice_for(new_voice, new_language), self._opts.overrides, **changes)
+        self._opts, self._voice, self._language = opts, new_voice, new_language
+
+    def _check_language(self, language: str | None) -> LanguageCode | None:
+        """`language` normalised (LiveKit's `LanguageCode`), checked against the model family; None: the family's."""
+        spec = self._engine.spec
+        if language is None:
+            return LanguageCode(spec.language) if spec.language else None
+        code = LanguageCode(language)
+        spec.check_language(code.language)
+        return code
+
+    def _voice_for(self, voice: str | None, language: LanguageCode | None) -> str | None:
+        """The voice to ask for: `voice` if given, else the default voice of `language` (if known)."""
+        if voice is not None or language is None:
+            return voice
+        return self._engine.spec.voice_for_language(language.language)
 
     def prewarm(self) -> None:
         """Start loading the engine in the background; never blocks the caller's event loop."""

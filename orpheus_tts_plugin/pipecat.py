@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import inspect
 import logging
 import re
@@ -36,7 +37,7 @@ from typing import Any, cast
 from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
 from .engine import OrpheusEngine
 from .errors import EngineError, EngineFailedError, EngineOverloadedError, Failure, failure_of, missing_extra
-from .spec import SAMPLE_RATE
+from .spec import SAMPLE_RATE, ModelSpec
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 from .words import DEFAULT_WEIGHTS, Pace, Weights, WordTimer
 
@@ -57,7 +58,7 @@ try:
     from pipecat.transcriptions.language import Language
     from pipecat.utils.errors import ErrorCategory
     from pipecat.utils.tracing.service_decorators import traced_tts
-    from pipecat.utils.types import NOT_GIVEN, NotGiven
+    from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
     raise missing_extra("pipecat", "the Pipecat adapter", exc) from exc
 
@@ -90,6 +91,15 @@ logger = logging.getLogger(__name__)
 def _delta_field() -> Any:
     """A settings field that is NOT_GIVEN unless set (Pipecat's delta convention)."""
     return field(default_factory=lambda: NOT_GIVEN)
+
+
+def _language_of(spec: ModelSpec) -> Language | str:
+    """The settings' language for an engine's model family: its language (English if the family's is not known)."""
+    code = spec.language or "en"
+    try:
+        return Language(code)
+    except ValueError:
+        return code
 
 
 class _Playout:
@@ -177,11 +187,11 @@ class OrpheusTTSService(TTSService):
         store = self.Settings(
             model=self._engine.config.model,
             voice=self._engine.spec.default_voice,
-            language=Language.EN,
+            language=_language_of(self._engine.spec),
             **dict.fromkeys(SAMPLING_FIELDS),
         )
         if settings is not None:
-            store.apply_update(settings)
+            store.apply_update(self._with_language_voice(settings, store))
         self._checked: tuple[tuple[str | None, SamplingOverrides], SpeechOptions] | None = None  # see _options
         self._validate(store)
         self._ready_handlers: list[Callable[..., Any]] = []  # on_engine_ready's
@@ -338,7 +348,23 @@ class OrpheusTTSService(TTSService):
                 f"model {settings.model!r} differs from the engine's {self._engine.config.model!r}; "
                 "the model is fixed per engine"
             )
+        if isinstance(settings.language, str):  # None (no language) and NOT_GIVEN are not checked
+            self._engine.spec.check_language(settings.language)
         self._options(settings)
+
+    def _with_language_voice(self, delta: TTSSettings, current: TTSSettings) -> TTSSettings:
+        """`delta`, plus the voice for its language when it sets a language and no voice.
+
+        That voice is the current one if it speaks the language, else the language's default voice
+        (`ModelSpec.voice_for_language`); a language the engine's model family does not speak is a ValueError.
+        """
+        if not isinstance(delta.language, str) or is_given(delta.voice):
+            return delta
+        current_voice = current.voice if isinstance(current.voice, str) else None
+        voice = self._engine.spec.voice_for_language(delta.language, current_voice)
+        if voice == current_voice:
+            return delta
+        return dataclasses.replace(delta, voice=voice)
 
     def _options(self, settings: OrpheusTTSSettings) -> SpeechOptions:
         """The engine's checked options for `settings`: checked once each time they change, then passed as they are."""
@@ -354,11 +380,13 @@ class OrpheusTTSService(TTSService):
 
     # Pipecat applies every settings update in the private TTSService._update_settings (services/tts_service.py);
     # its public entry points are checked here instead: TTSUpdateSettingsFrame, set_model, set_voice.
-    async def _accepts(self, delta: TTSSettings) -> bool:
-        """True if the engine accepts the settings with `delta` applied; otherwise push an error and say False."""
-        candidate = self.settings.copy()
-        candidate.apply_update(delta)
+    async def _accepts(self, delta: TTSSettings) -> TTSSettings | None:
+        """`delta` with the voice its language picks (see `_with_language_voice`) if the engine accepts the settings
+        with it applied; otherwise push an error and say None."""
         try:
+            delta = self._with_language_voice(delta, self.settings)
+            candidate = self.settings.copy()
+            candidate.apply_update(delta)
             self._validate(candidate)
         except (ValueError, TypeError) as exc:
             await self.push_error(
@@ -366,25 +394,29 @@ class OrpheusTTSService(TTSService):
                 exception=exc,
                 category=ErrorCategory.APPLICATION,
             )
-            return False
-        return True
+            return None
+        return delta
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
-        """Drop a settings update for this service that the engine would reject (with an error); else the base's."""
+        """Drop a settings update for this service that the engine would reject (with an error); else the base's,
+        with the voice a language change picks added to the update (a new frame: the caller's is left as it is)."""
         if isinstance(frame, TTSUpdateSettingsFrame) and (frame.service is None or frame.service is self):
-            delta = frame.delta if frame.delta is not None else self.Settings.from_mapping(frame.settings or {})
-            if not await self._accepts(delta):
+            given = frame.delta if frame.delta is not None else self.Settings.from_mapping(frame.settings or {})
+            delta = await self._accepts(given)
+            if delta is None:
                 return
+            if delta is not given:
+                frame = dataclasses.replace(frame, delta=delta, settings={})
         await super().process_frame(frame, direction)
 
     async def set_model(self, model: str) -> None:
         """Pipecat's (deprecated), if the engine accepts the model."""
-        if await self._accepts(self.Settings(model=model)):
+        if await self._accepts(self.Settings(model=model)) is not None:
             await super().set_model(model)
 
     async def set_voice(self, voice: str) -> None:
         """Pipecat's (deprecated), if the engine accepts the voice."""
-        if await self._accepts(self.Settings(voice=voice)):
+        if await self._accepts(self.Settings(voice=voice)) is not None:
             await super().set_voice(voice)
 
     # ---------------------------------------------------------------- synthesis

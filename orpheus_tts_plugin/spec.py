@@ -36,6 +36,12 @@ class ModelSpec:
     custom_token_base: int = 128_256
     voices: tuple[str, ...] = ()
     default_voice: str | None = None
+    # The language the family speaks (ISO 639-1 base code); None: not known (a family the server named but this
+    # package has no spec for), and then any language is accepted and picks no voice.
+    language: str | None = None
+    # Each language the family speaks with its own voices, the first its default: (code, voices). Empty: `language`
+    # with every voice. The Spanish/Italian release speaks two languages, each with three voices.
+    language_voices: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def audio_token_end(self) -> int:
@@ -79,14 +85,97 @@ class ModelSpec:
             )
         return voice
 
+    @property
+    def languages(self) -> tuple[str, ...]:
+        """The languages the family speaks (base codes); empty if not known."""
+        if self.language_voices:
+            return tuple(code for code, _ in self.language_voices)
+        return (self.language,) if self.language else ()
+
+    def check_language(self, language: str) -> str:
+        """The base code of `language` ("fr-FR" -> "fr"); ValueError in one line if the family does not speak it."""
+        code = base_language(language)
+        if self.languages and code not in self.languages:
+            raise ValueError(
+                f"model family {self.name!r} does not speak {str(language)!r}; it speaks: {', '.join(self.languages)}"
+            )
+        return code
+
+    def voice_for_language(self, language: str, current: str | None = None) -> str | None:
+        """The voice to speak `language` in: `current` if it is one of that language's voices, else its default.
+
+        ValueError if the family does not speak `language`; a family whose languages are not known keeps `current`.
+        """
+        code = self.check_language(language)
+        voices = dict(self.language_voices).get(code)
+        if voices is None:  # the family's one language (or languages not known): all its voices
+            return (
+                current if current is not None and (not self.voices or current in self.voices) else self.default_voice
+            )
+        return current if current in voices else voices[0]
+
+
+def base_language(language: str) -> str:
+    """The base code of a language tag, as `ModelSpec.languages` holds it: "fr-FR", "FR", "fr_fr" -> "fr"."""
+    if not isinstance(language, str):
+        raise TypeError(f"language must be a str, got {type(language).__name__} {language!r}")
+    code = language.strip().lower().replace("_", "-").split("-")[0]
+    if not code:
+        raise ValueError(f"language must be a language code such as 'en' or 'fr-FR', got {language!r}")
+    return code
+
 
 ENGLISH = ModelSpec(
     name="orpheus-en",
     voices=("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"),
     default_voice="tara",
+    language="en",
 )
 
-SPECS: dict[str, ModelSpec] = {ENGLISH.name: ENGLISH}
+# Canopy Labs' multilingual research release (April 2025, "Orpheus Multilingual Research Release" collection on
+# Hugging Face): one finetune per language, canopylabs/3b-{fr,de,ko,hi,zh,es_it}-ft-research_release, each with a
+# pretrained sibling (…-pretrain-research_release, no named voices, not listed here). Their voices are those
+# Canopy's Orpheus-TTS README points to (canopylabs.ai/releases/orpheus_can_speak_any_language#info), as every
+# integration of these models lists them. Canopy names no default voice: the first voice listed is used, as
+# "tara" is first in the English list. Token ids: Canopy's README states "a standardised prompt format across
+# languages" and no model card read here names a difference, so every family uses the English layout (same
+# Llama-3 tokenizer and custom tokens); not checked against the checkpoints' tokenizer files.
+FRENCH = ModelSpec(name="orpheus-fr", voices=("pierre", "amelie", "marie"), default_voice="pierre", language="fr")
+GERMAN = ModelSpec(name="orpheus-de", voices=("jana", "thomas", "max"), default_voice="jana", language="de")
+KOREAN = ModelSpec(name="orpheus-ko", voices=("유나", "준서"), default_voice="유나", language="ko")
+HINDI = ModelSpec(name="orpheus-hi", voices=("ऋतिका",), default_voice="ऋतिका", language="hi")
+MANDARIN = ModelSpec(name="orpheus-zh", voices=("长乐", "白芷"), default_voice="长乐", language="zh")
+SPANISH_ITALIAN = ModelSpec(
+    name="orpheus-es_it",
+    voices=("javi", "sergio", "maria", "pietro", "giulia", "carlo"),
+    default_voice="javi",
+    language="es",
+    language_voices=(("es", ("javi", "sergio", "maria")), ("it", ("pietro", "giulia", "carlo"))),
+)
+
+SPECS: dict[str, ModelSpec] = {
+    spec.name: spec for spec in (ENGLISH, FRENCH, GERMAN, KOREAN, HINDI, MANDARIN, SPANISH_ITALIAN)
+}
+# Hugging Face checkpoint of each family's finetune (the English one: Canopy's current name for it).
+CHECKPOINTS: dict[str, str] = {
+    ENGLISH.name: "canopylabs/orpheus-3b-0.1-ft",
+    FRENCH.name: "canopylabs/3b-fr-ft-research_release",
+    GERMAN.name: "canopylabs/3b-de-ft-research_release",
+    KOREAN.name: "canopylabs/3b-ko-ft-research_release",
+    HINDI.name: "canopylabs/3b-hi-ft-research_release",
+    MANDARIN.name: "canopylabs/3b-zh-ft-research_release",
+    SPANISH_ITALIAN.name: "canopylabs/3b-es_it-ft-research_release",
+}
+
+
+def family_for_language(language: str) -> ModelSpec:
+    """The spec of the family that speaks `language` ("de-AT" -> orpheus-de); ValueError naming those known."""
+    code = base_language(language)
+    for spec in SPECS.values():
+        if code in spec.languages:
+            return spec
+    known = ", ".join(code for spec in SPECS.values() for code in spec.languages)
+    raise ValueError(f"no model family speaks {str(language)!r}; languages known: {known}")
 
 
 def spec_for(name: str | None) -> ModelSpec:

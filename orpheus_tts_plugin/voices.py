@@ -14,7 +14,7 @@ import wave
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -95,10 +95,14 @@ def reference_audio(audio: Any) -> np.ndarray:
     return np.ascontiguousarray(samples)
 
 
-def read_wav(path: str | Path) -> np.ndarray:
-    """A 16-bit PCM WAV at 24 kHz as float32 mono (channels averaged); ValueError in one line otherwise."""
+def read_wav(path: str | Path | BinaryIO) -> np.ndarray:
+    """A 16-bit PCM WAV at 24 kHz (a path or an open binary file) as float32 mono (channels averaged); ValueError in
+    one line otherwise."""
+    source = str(path) if isinstance(path, (str, Path)) else path
+    if not isinstance(path, (str, Path)):
+        path = "the WAV data"
     try:
-        with wave.open(str(path), "rb") as w:
+        with wave.open(source, "rb") as w:
             width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
             data = w.readframes(w.getnframes())
     except (OSError, EOFError, wave.Error) as exc:

@@ -95,3 +95,15 @@ def frames_to_levels(frames: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     """(..., n, 7) frames (numpy or torch) → SNAC codes per level: (..., n), (..., 2n), (..., 4n) in time order."""
     lead = frames.shape[:-2]
     return tuple(frames[..., list(pos)].reshape(*lead, -1) for pos in LEVEL_POSITIONS)  # type: ignore[return-value]
+
+
+def levels_to_frames(levels: Sequence[np.ndarray]) -> np.ndarray:
+    """SNAC codes per level, (n,), (2n,), (4n,) in time order → (n, 7) frames: the inverse of `frames_to_levels`."""
+    n = len(levels[0])
+    frames = np.empty((n, TOKENS_PER_FRAME), dtype=np.int64)
+    for level, positions in enumerate(LEVEL_POSITIONS):
+        codes = np.asarray(levels[level], dtype=np.int64)
+        if codes.shape != (n * len(positions),):
+            raise ValueError(f"SNAC level {level}: expected {n * len(positions)} codes, got shape {codes.shape}")
+        frames[:, list(positions)] = codes.reshape(n, len(positions))
+    return frames

@@ -21,6 +21,7 @@ import logging
 import math
 import threading
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .backends.protocol import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
@@ -34,8 +35,11 @@ from .prompt import sentence_requests
 from .spec import ModelSpec, spec_for
 from .text import split_sentences
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
+from .voices import Voices
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .decoder import FrameDecoder
 
 __all__ = ["AudioChunk", "OrpheusEngine", "SpeechEngine"]  # AudioChunk and SpeechEngine: their first home
@@ -65,7 +69,9 @@ class OrpheusEngine:
     ):
         """An engine of `config`; `backend` and `decoder` replace the ones the config names (tests, benchmarks)."""
         self.config = config or EngineConfig()
-        self.spec: ModelSpec = spec_for(self.config.model_family)
+        self.spec: ModelSpec = spec_for(self.config.model_family)  # its voices: the stock ones, then those added
+        self._voices = Voices(self.spec)
+        self._snac: Any = None  # the SNAC whose encoder encodes added voices (the decoder's, once started)
         self._custom_backend = backend
         self._custom_decoder = decoder
         self._lock = threading.Lock()  # guards _open, _counters, _closed, _failure, _started
@@ -166,6 +172,8 @@ class OrpheusEngine:
             log.debug("Orpheus engine failed to start: %s", exc)
             raise
         self._tokenizer, self._backend = parts.tokenizer, parts.backend
+        self._snac = getattr(parts.decoder, "snac", None)
+        await asyncio.to_thread(self._voices.encode_all, self._tokenizer, self._encoder)
         self._worker = DecodeWorker(
             parts.decoder, self._stream_done, self._stream_failed, self._decoder_died, self.config.decode_ahead_s
         )
@@ -228,6 +236,43 @@ class OrpheusEngine:
     def _decoder_died(self, exc: BaseException) -> None:
         self._fail(f"the decoder thread died: {type(exc).__name__}: {exc}")
 
+    # ---------------------------------------------------------------- voices
+    def add_voice(self, name: str, *, audio: str | Path | np.ndarray, transcript: str) -> None:
+        """Add a cloned voice: `synthesize(text, voice=name)` then speaks in the voice of `audio` (zero-shot).
+
+        `audio`: a 16-bit WAV file at 24 kHz, or a 1-D float (in [-1, 1]) or int16 array at 24 kHz, one frame
+        (2,048 samples) to 30 s; `transcript`: the words it speaks. The reference is encoded once with SNAC's
+        encoder and becomes the reference turn of every prompt of this voice (`prompt.reference_prompt`), a
+        prefix the backend computes once (hf: its prefix store; vLLM and TensorRT-LLM: their prefix caching).
+        Before `start()` it is only checked (encoded when the engine starts); after, it is encoded now, on the
+        calling thread (a server runs this in a worker thread). TypeError/ValueError in one line for bad input.
+        """
+        voice = self._voices.check(name, audio, transcript, self.config.max_seq_len)
+        if self.started:
+            self._voices.encode(voice, self._tokenizer, self._encoder)
+        self.spec = self._voices.add(voice)
+
+    def remove_voice(self, name: str) -> None:
+        """Remove an added voice (KeyError if `name` is not one) and free its reference's cached prefix."""
+        voice, self.spec = self._voices.remove(name)
+        forget = getattr(self._backend, "forget_prefix", None)
+        if voice.reference is not None and forget is not None:
+            forget(voice.reference)
+
+    def voices(self) -> list[dict[str, Any]]:
+        """Every voice: {"name", "kind": "stock"}, then each added one's {"name", "kind": "cloned", "seconds",
+        "transcript", "prompt_ids" (its reference turn's length, None until encoded)}."""
+        return self._voices.describe()
+
+    def _encoder(self) -> Any:
+        """The SNAC that encodes references: the decoder's, else (a null decoder) `config.snac`, loaded once."""
+        if self._snac is None:
+            from .device import resolve_device
+            from .snac import load_snac
+
+            self._snac = load_snac(self.config.snac, resolve_device(self.config.device))
+        return self._snac
+
     # ---------------------------------------------------------------- synthesis
     def synthesize(
         self,
@@ -276,7 +321,11 @@ class OrpheusEngine:
             return
         await self.start()
         stream = CallerStream(asyncio.get_running_loop())
-        requests = sentence_requests(stream.id, pieces, options, self._tokenizer, self.spec, self.config)
+        cloned = self._voices.get(options.voice)
+        reference = () if cloned is None else self._voices.encode(cloned, self._tokenizer, self._encoder)
+        requests = sentence_requests(
+            stream.id, pieces, options, self._tokenizer, self.spec, self.config, reference=reference
+        )
         self._admit(stream)
         self._loop.call_soon_threadsafe(self._begin, stream, requests, token_log)
         complete = False

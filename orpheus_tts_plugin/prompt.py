@@ -1,6 +1,7 @@
 """What each sentence asks of a backend: its prompt ids, its token budget, its request.
 
 Prompt: [start of human] + tokenizer("voice: text") + [eot, end of human, start of AI, start of speech].
+A cloned voice's prompt: its reference turn (`reference_prompt`), then the text's prompt without a voice name.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Protocol
 
+import numpy as np
+
 from .backends.protocol import GenerationRequest
 from .config import SEED_LIMIT, EngineConfig
-from .spec import ModelSpec
+from .spec import CODEBOOK_SIZE, TOKENS_PER_FRAME, ModelSpec
 from .types import SpeechOptions
 
 
@@ -30,6 +33,23 @@ def prompt_ids(tokenizer: Tokenizer, spec: ModelSpec, text: str, voice: str | No
     while len(ids) > 1 and ids[1] == spec.bos:
         del ids[1]
     return (spec.start_of_human, *ids, *spec.prompt_suffix())
+
+
+def reference_prompt(tokenizer: Tokenizer, spec: ModelSpec, transcript: str, frames: np.ndarray) -> tuple[int, ...]:
+    """A cloned voice's reference turn: what precedes the prompt of every sentence it speaks.
+
+    [start of human] + tokenizer(transcript) + [eot, end of human, start of AI, start of speech]
+    + the reference's audio ids (frame by frame, 7 a frame in `FRAME_LEVELS` order) + [end of speech, end of AI].
+    That is Canopy's zero-shot layout for the pretrained checkpoint: canopyai/Orpheus-TTS,
+    colabs/Orpheus_0_1_Pretrain_Inference.ipynb ("Tokenising your stuff for the prompt": zeroprompt_input_ids =
+    start_tokens + transcript + end_tokens + audio codes + final_tokens [128258, 128262], then per text
+    start_tokens + text + end_tokens; last at commit 184a666, removed from the repository in 00b3207).
+    """
+    frames = np.asarray(frames, dtype=np.int64)
+    if frames.ndim != 2 or frames.shape[1] != TOKENS_PER_FRAME or len(frames) == 0:
+        raise ValueError(f"reference frames must be (n >= 1, {TOKENS_PER_FRAME}), got shape {frames.shape}")
+    audio = spec.first_audio_token + np.arange(TOKENS_PER_FRAME) * CODEBOOK_SIZE + frames
+    return (*prompt_ids(tokenizer, spec, transcript, None), *audio.ravel().tolist(), spec.end_of_speech, spec.end_of_ai)
 
 
 def token_budget(text: str, per_char: float, base: int, max_tokens: int) -> tuple[int, str]:
@@ -52,8 +72,12 @@ def sentence_requests(
     tokenizer: Tokenizer,
     spec: ModelSpec,
     cfg: EngineConfig,
+    reference: tuple[int, ...] = (),
 ) -> list[tuple[GenerationRequest, str]]:
     """One request per sentence, with which limit caps it ("budget" or "max_tokens").
+
+    `reference`: a cloned voice's reference turn (`reference_prompt`), the shared prefix of every sentence's prompt
+    (`prefix_len`), followed by the sentence's prompt without a voice name.
 
     Sentence i is seeded with seed + i (wrapping below 2**63), so it equals that sentence spoken alone with
     seed + i; every sentence after the first goes before new streams (`priority`).
@@ -65,12 +89,13 @@ def sentence_requests(
         seed = None if sampling.seed is None else (sampling.seed + i) % SEED_LIMIT
         request = GenerationRequest(
             request_id=f"{stream_id}-{i}",
-            prompt_ids=prompt_ids(tokenizer, spec, text, options.voice),
+            prompt_ids=(*reference, *prompt_ids(tokenizer, spec, text, None if reference else options.voice)),
             sampling=replace(sampling, seed=seed),
             max_new_tokens=limit,
             stop_ids=spec.stop_ids(),
             constrain_audio=cfg.constrain_audio,
             priority=i > 0,
+            prefix_len=len(reference),
         )
         out.append((request, kind))
     return out

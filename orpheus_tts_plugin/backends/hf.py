@@ -16,12 +16,18 @@ window [0, bucket) with the bucket a power of two, padding rows inactive, attent
 length and no data-dependent branch, so that on CUDA each bucket is captured once as a CUDA graph and
 replayed (on CUDA by default: the eager step is launch-bound there). Padding never changes a row's tokens, nor a
 paused row's state (tested on CPU); captured on an H200, 4.8-6.2 ms a step at 1-64 rows (docs/benchmarks.md).
+
+Prefix reuse (`prefix_reuse=True`): a request's shared leading ids (`GenerationRequest.prefix_len`, a cloned
+voice's reference turn) are prefilled once; their keys and values are kept (an LRU of `max_prefixes`, keyed by
+the ids) and copied into each later row's slot at admission, which then prefills only the rest.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import secrets
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,10 +74,14 @@ class HFBackend(SteppedBackend):
         top_k: int = 64,
         cuda_graphs: bool = False,
         static_shapes: bool | None = None,
+        prefix_reuse: bool = True,
+        max_prefixes: int = 16,
     ):
         super().__init__(max_batch_size)
         if max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
+        if max_prefixes < 1:
+            raise ValueError("max_prefixes must be >= 1")
         if top_k < 1:
             raise ValueError("top_k must be >= 1")
         on = torch.device(device)
@@ -87,6 +97,12 @@ class HFBackend(SteppedBackend):
         self.max_seq_len = max_seq_len
         self.spec = spec
         self.top_k = top_k
+        self.prefix_reuse = prefix_reuse
+        self.max_prefixes = max_prefixes
+        # Shared prefixes' keys and values per layer, (kv head, position, head_dim) each, most recently used last.
+        self._prefixes: collections.OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]]
+        self._prefixes = collections.OrderedDict()
+        self._prefix_lock = threading.Lock()  # guards _prefixes (forget_prefix comes from any thread)
         # CPU splits rows by sampling path (reading flags is free there); CUDA never branches on device data.
         self.branch_free = self.static_shapes or on.type == "cuda"
         self.buckets = _buckets(max_batch_size)  # cache rows a static step covers
@@ -259,13 +275,51 @@ class HFBackend(SteppedBackend):
         s = req.sampling
         seed = secrets.randbits(63) if s.seed is None else s.seed
         try:
-            if len(ids) > 1:
-                self.forward(torch.tensor([ids[:-1]], device=self.device), [slot], [0])
+            self._prefill(slot, ids[:-1], req.prefix_len if self.prefix_reuse else 0)
             self._reset_slot(slot, ids, s.temperature, s.top_p, s.repetition_penalty, seed)
         except BaseException:
             heapq.heappush(self.free_slots, slot)
             raise
         return Row(req, slot, len(ids) - 1, ids[-1], 0, frozenset(req.stop_ids), seed)
+
+    def _prefill(self, slot: int, ids: tuple[int, ...], shared: int) -> None:
+        """Put the keys and values of `ids` in `slot`, its first `shared` ids from the prefix store (computed and
+        stored if absent), the rest by a forward."""
+        start = 0
+        if 0 < shared <= len(ids):
+            key = ids[:shared]
+            with self._prefix_lock:
+                kv = self._prefixes.get(key)
+                if kv is not None:
+                    self._prefixes.move_to_end(key)
+            if kv is None:
+                self._counters["prefix_misses"] += 1
+                self.forward(torch.tensor([key], device=self.device), [slot], [0])
+                kv = (
+                    [k[slot, :, :shared].clone() for k in self.k_cache],
+                    [v[slot, :, :shared].clone() for v in self.v_cache],
+                )
+                with self._prefix_lock:
+                    self._prefixes[key] = kv
+                    while len(self._prefixes) > self.max_prefixes:
+                        self._prefixes.popitem(last=False)
+            else:
+                self._counters["prefix_hits"] += 1
+                for cache, stored in zip((*self.k_cache, *self.v_cache), (*kv[0], *kv[1]), strict=True):
+                    cache[slot, :, :shared] = stored
+            start = shared
+        if len(ids) > start:
+            self.forward(torch.tensor([ids[start:]], device=self.device), [slot], [start])
+
+    def forget_prefix(self, ids: tuple[int, ...]) -> None:
+        """Free the stored keys and values of prefix `ids`, if stored (any thread; a voice was removed)."""
+        with self._prefix_lock:
+            self._prefixes.pop(tuple(ids), None)
+
+    def stats(self) -> dict:
+        with self._prefix_lock:
+            cached = len(self._prefixes)
+        return {**super().stats(), "cached_prefixes": cached}
 
     def _reset_slot(
         self, slot: int, prompt: tuple[int, ...], temperature: float, top_p: float, penalty: float, seed: int
@@ -448,6 +502,8 @@ class HFBackend(SteppedBackend):
         self.model = None
         self.k_cache = self.v_cache = []
         self._graphs = {}
+        with self._prefix_lock:
+            self._prefixes.clear()
 
 
 def _buckets(top: int, start: int = 1) -> tuple[int, ...]:

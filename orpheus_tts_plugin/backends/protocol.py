@@ -21,6 +21,9 @@ class GenerationRequest:
     stop_ids: tuple[int, ...]
     constrain_audio: bool = True
     priority: bool = False  # a continuation of a stream that is already speaking: served before new requests
+    # The leading ids of `prompt_ids` that other requests share (a cloned voice's reference turn): a backend may
+    # compute their KV once and reuse it (hf: its prefix store; vLLM, TensorRT-LLM: their own prefix caching).
+    prefix_len: int = 0
 
 
 class FinishReason:

@@ -26,7 +26,8 @@ class SyntheticBackend(SteppedBackend):
         self._next_step = 0.0
 
     def _admit(self, req: GenerationRequest) -> dict[str, Any]:
-        frames = max(self.config.min_frames, round(len(req.prompt_ids) * self.config.frames_per_prompt_token))
+        text_ids = len(req.prompt_ids) - req.prefix_len  # a cloned voice's reference turn is not what it says
+        frames = max(self.config.min_frames, round(text_ids * self.config.frames_per_prompt_token))
         seed = req.sampling.seed if req.sampling.seed is not None else zlib.crc32(req.request_id.encode())
         codes = np.random.default_rng(seed).integers(0, CODEBOOK_SIZE, size=frames * TOKENS_PER_FRAME)
         positions = np.arange(codes.size) % TOKENS_PER_FRAME

@@ -205,8 +205,12 @@ class TrtllmBackend:
             graphs = t.CudaGraphConfig(max_batch_size=self.max_batch_size, enable_padding=True)
         args: dict[str, Any] = {
             "model": self.model,
+            # Block reuse (its default, said here): a cloned voice's reference turn, the same leading blocks of every
+            # prompt of that voice, is computed once; a resumed request's filled blocks are reused too.
             "kv_cache_config": t.KvCacheConfig(
-                dtype=self.resolved_kv_cache_dtype(), free_gpu_memory_fraction=self.kv_cache_fraction
+                dtype=self.resolved_kv_cache_dtype(),
+                free_gpu_memory_fraction=self.kv_cache_fraction,
+                enable_block_reuse=True,
             ),
             "max_batch_size": self.max_batch_size,
             "max_num_tokens": self.max_num_tokens,

@@ -1,4 +1,5 @@
-"""The FastAPI app of `orpheus-tts serve`: the multiplexed WebSocket, OpenAI speech, health, readiness, metrics."""
+"""The FastAPI app of `orpheus-tts serve`: the multiplexed WebSocket, OpenAI speech, voices, health, readiness,
+metrics."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ try:
 except ImportError as exc:
     raise missing_extra("server", "orpheus-tts serve", exc) from None
 
-from . import protocol
+from . import protocol, voices
 from .http_errors import error_json
 from .mux import Mux
 from .policy import Policy, bearer
@@ -69,6 +70,19 @@ def create_app(engine: OrpheusEngine, *, own_engine: bool = True, policy: Policy
     @app.post("/v1/audio/speech")
     async def audio_speech(request: Request) -> Response:
         return await speech(request, service, request.scope.get("orpheus.key"))
+
+    @app.get("/v1/voices")
+    async def voice_list() -> Response:
+        """Stock voices, then cloned ones (with their length and transcript)."""
+        return voices.listing(service)
+
+    @app.post("/v1/voices")
+    async def voice_add(request: Request) -> Response:
+        return await voices.add(request, service)
+
+    @app.delete("/v1/voices/{name}")
+    async def voice_remove(name: str) -> Response:
+        return voices.remove(name, service)
 
     @app.get("/health")
     async def health() -> JSONResponse:

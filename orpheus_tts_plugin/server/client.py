@@ -234,7 +234,16 @@ class RemoteEngine:
     ) -> SpeechOptions:
         """The voice and sampling a request would use, checked locally against what the servers accept;
         TypeError/ValueError naming what is wrong."""
+        self._take_pushed_voices()
         return SpeechOptions.check(self.spec, self.sampling, voice, sampling, **overrides)
+
+    def _take_pushed_voices(self) -> None:
+        """The voices the servers' latest `status` listed (cloned voices added since the hello), if any."""
+        pushed = [u.status["voices"] for u in self._upstreams if u.conn is not None and "voices" in u.status]
+        if pushed:
+            voices = tuple(dict.fromkeys(v for listed in pushed for v in listed))
+            if voices != self.spec.voices:
+                self.spec = replace(self.spec, voices=voices)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, in order, as the server splits them (`AudioChunk.utterance`)."""

@@ -66,7 +66,7 @@ class Service:
         return True, "ok"
 
     def status(self) -> dict[str, Any]:
-        """The `status` message: readiness, load, engine health."""
+        """The `status` message: readiness, load, engine health, the voices (cloned ones come and go)."""
         ready, reason = self.readiness()
         health = self.engine.health()
         return {
@@ -76,6 +76,7 @@ class Service:
             "draining": self.draining,
             "load": round(self.engine.load, 4),
             "status": health["status"],
+            "voices": list(self.engine.spec.voices),
         }
 
     def stats(self) -> dict[str, Any]:

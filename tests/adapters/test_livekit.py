@@ -67,6 +67,19 @@ async def _next_event(stream: AsyncIterator[SynthesizedAudio]) -> SynthesizedAud
 
 
 # ---------------------------------------------------------------------------------------------- synthesize()
+async def test_a_cloned_voice_is_taken_by_name_like_a_stock_one(engine: OrpheusEngine) -> None:
+    rng = np.random.default_rng(5)
+    engine.add_voice("clone-lk", audio=0.1 * rng.standard_normal(24_000), transcript="A voice of my own.")
+    try:
+        tts = orpheus.TTS(engine=engine, voice="clone-lk", seed=3)
+        assert tts.voice == "clone-lk"
+        got = _pcm([ev async for ev in tts.synthesize(STORY)])
+        reference = [c.pcm async for c in engine.synthesize(STORY, voice="clone-lk", seed=3)]
+        assert _close(got, np.frombuffer(b"".join(reference), "<i2"))
+    finally:
+        engine.remove_voice("clone-lk")
+
+
 async def test_synthesize_yields_24k_mono_frames_ending_final(engine: OrpheusEngine) -> None:
     tts = orpheus.TTS(engine=engine, voice="tara", seed=3)
     assert (tts.sample_rate, tts.num_channels, tts.capabilities.streaming) == (SAMPLE_RATE, 1, True)

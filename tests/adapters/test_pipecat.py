@@ -430,6 +430,19 @@ async def test_voice_update_takes_effect_on_the_next_utterance(hf_engine: Orpheu
     assert not errors(up)
 
 
+async def test_a_cloned_voice_is_taken_by_name_like_a_stock_one(engine: OrpheusEngine):
+    rng = np.random.default_rng(4)
+    engine.add_voice("clone-pc", audio=0.1 * rng.standard_normal(24_000), transcript="A voice of my own.")
+    try:
+        service = OrpheusTTSService(engine=engine, settings=Settings(voice="clone-pc", seed=8))
+        down, up = await run(service, [TTSSpeakFrame(TEXT)])
+        [spoken] = audio_by_context(down).values()
+        assert_audio_matches(spoken, await engine_pcm(engine, TEXT, voice="clone-pc", seed=8))
+        assert not errors(up)
+    finally:
+        engine.remove_voice("clone-pc")
+
+
 @pytest.mark.parametrize(
     "delta", [Settings(voice="nobody"), Settings(top_p=0.0), Settings(model="some/other-model")], ids=str
 )

@@ -411,7 +411,7 @@ async def test_llm_is_built_with_the_kv_cache_cuda_graphs_and_limits(trt, model)
     )
     assert llm.model == model
     kv = llm.kwargs["kv_cache_config"]
-    assert isinstance(kv, KvCacheConfig) and kv.free_gpu_memory_fraction == 0.85
+    assert isinstance(kv, KvCacheConfig) and kv.free_gpu_memory_fraction == 0.85 and kv.enable_block_reuse
     graphs = llm.kwargs["cuda_graph_config"]
     assert isinstance(graphs, CudaGraphConfig) and graphs.enable_padding and graphs.max_batch_size == 128
     assert (llm.kwargs["max_batch_size"], llm.kwargs["max_num_tokens"], llm.kwargs["max_seq_len"]) == (128, 8192, 4096)

@@ -405,6 +405,11 @@ async def test_the_cpu_build_takes_an_fp8_kv_cache_only_where_its_cpu_has_the_ke
         assert FakeAsyncLLM.instances == []
 
 
+async def test_prefix_caching_is_on_so_a_cloned_voices_reference_turn_is_computed_once(fake_vllm, plain) -> None:
+    _, engine = await started(plain)
+    assert engine.engine_args.enable_prefix_caching is True
+
+
 async def test_engine_kwargs_override_every_choice(fake_vllm, plain) -> None:
     _, engine = await started(plain, engine_kwargs={"enforce_eager": False, "dtype": "bfloat16", "quantization": "x"})
     assert (engine.engine_args.enforce_eager, engine.engine_args.dtype, engine.engine_args.quantization) == (

@@ -7,6 +7,7 @@ A bad value raises TypeError or ValueError naming the field and its allowed rang
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -124,6 +125,19 @@ BACKENDS = ("hf", "synthetic", "trtllm", "vllm", "openai-completions", "remote")
 # "openai-completions", with the server's URL in `model` unless `completions_url` is set.
 COMPLETIONS_BACKENDS = ("openai-completions", "remote")
 DECODERS = ("snac", "null")
+ADAPTERLESS_BACKENDS = ("openai-completions", "remote")
+
+
+def _named_pairs(field: str, value: object) -> tuple[tuple[str, str], ...]:
+    """A mapping (or pairs) of non-empty str names to non-empty str values, as sorted pairs; TypeError/ValueError."""
+    try:
+        pairs = sorted(dict(value).items())  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise TypeError(f"{field} must be a mapping of names to str, got {type(value).__name__}") from None
+    for key, item in pairs:
+        if not isinstance(key, str) or not key or not isinstance(item, str) or not item:
+            raise ValueError(f"{field} must map non-empty str names to non-empty str, got {key!r}: {item!r}")
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)
@@ -155,6 +169,11 @@ class EngineConfig:
     synthetic: SyntheticConfig = SyntheticConfig()
     backend_options: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments for the backend
     completions_url: str | None = None  # openai-completions: the server's URL (`model` names the tokenizer)
+    # LoRA adapters (PEFT folders or hub ids) by name, served beside the base model in the same batches; a dict is
+    # kept as sorted (name, path) pairs, so that the config stays hashable.
+    adapters: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    # Fine-tuned voices: voice name -> the adapter that speaks it (the name is a voice of the engine from then on).
+    adapter_voices: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -184,6 +203,18 @@ class EngineConfig:
         check_number("token_budget_per_char", self.token_budget_per_char, lo=0.0)
         check_int("token_budget_base", self.token_budget_base, 0)
         self.sampling.validate()
+        for name in ("adapters", "adapter_voices"):
+            object.__setattr__(self, name, _named_pairs(name, getattr(self, name)))
+        if self.adapters and self.backend in ADAPTERLESS_BACKENDS:
+            raise ValueError(f"backend {self.backend!r} cannot serve LoRA adapters; hf, vllm and trtllm can")
+        unknown = sorted({a for _, a in self.adapter_voices} - {a for a, _ in self.adapters})
+        if unknown:
+            raise ValueError(f"adapter_voices names adapter(s) {', '.join(unknown)} not in adapters")
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The names of the LoRA adapters, sorted."""
+        return tuple(name for name, _ in self.adapters)
 
     @property
     def completions_server(self) -> str | None:

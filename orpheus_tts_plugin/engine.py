@@ -32,7 +32,7 @@ from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOve
 from .loading import load
 from .loop_thread import LoopThread, SharedInstances, post
 from .prompt import sentence_requests
-from .spec import ModelSpec, spec_for
+from .spec import ModelSpec, spec_for, with_voices
 from .text import split_sentences
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 from .voices import Voices
@@ -69,7 +69,8 @@ class OrpheusEngine:
     ):
         """An engine of `config`; `backend` and `decoder` replace the ones the config names (tests, benchmarks)."""
         self.config = config or EngineConfig()
-        self.spec: ModelSpec = spec_for(self.config.model_family)  # its voices: the stock ones, then those added
+        # Its voices: the family's, the fine-tuned ones (`adapter_voices`), then those added (`add_voice`).
+        self.spec: ModelSpec = with_voices(spec_for(self.config.model_family), dict(self.config.adapter_voices))
         self._voices = Voices(self.spec)
         self._snac: Any = None  # the SNAC whose encoder encodes added voices (the decoder's, once started)
         self._custom_backend = backend
@@ -281,11 +282,13 @@ class OrpheusEngine:
         voice: str | None = None,
         sampling: SamplingOverrides | None = None,
         options: SpeechOptions | None = None,
+        adapter: str | None = None,
         token_log: list[int] | None = None,
         **overrides: float | int | None,
     ) -> Speech:
         """Speak `text`: a `Speech`, an async iterator of AudioChunk (the last with `final=True`) and its sentences.
 
+        `adapter`: a LoRA adapter of `EngineConfig.adapters` (a voice of `adapter_voices` picks its own).
         Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty,
         max_tokens, seed); None takes the engine's default. Or `options`, as `check_options` returned
         them (not checked again). Sentence i of a long text is generated with seed + i, so it equals
@@ -295,7 +298,7 @@ class OrpheusEngine:
         the task aborts the generation within one engine step. `token_log`, if given, receives every
         generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
         """
-        options = SpeechOptions.chosen(options, self.check_options, voice, sampling, **overrides)
+        options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         pieces = self.sentences(text)
         return Speech(pieces, self._synthesize(pieces, options, token_log))
 
@@ -304,15 +307,23 @@ class OrpheusEngine:
         return split_sentences(text, self.config.sentence_max_chars)
 
     def check_options(
-        self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: float | int | None
+        self,
+        voice: str | None = None,
+        sampling: SamplingOverrides | None = None,
+        *,
+        adapter: str | None = None,
+        **overrides: float | int | None,
     ) -> SpeechOptions:
-        """The voice and sampling a request would use (unpacks as `(voice, sampling)`); TypeError/ValueError
-        naming what is wrong.
+        """The voice, LoRA adapter and sampling a request would use (unpacks as `(voice, sampling)`);
+        TypeError/ValueError naming what is wrong.
 
         Adapters call this when options change, so that bad input fails there and then rather than in
         the middle of a call, and pass the result to `synthesize(options=...)`.
         """
-        return SpeechOptions.check(self.spec, self.config.sampling, voice, sampling, **overrides)
+        cfg = self.config
+        return SpeechOptions.check(
+            self.spec, cfg.sampling, voice, sampling, adapter, cfg.adapter_names, dict(cfg.adapter_voices), **overrides
+        )
 
     async def _synthesize(
         self, pieces: list[str], options: SpeechOptions, token_log: list[int] | None

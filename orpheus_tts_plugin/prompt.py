@@ -96,6 +96,7 @@ def sentence_requests(
             constrain_audio=cfg.constrain_audio,
             priority=i > 0,
             prefix_len=len(reference),
+            adapter=options.adapter,
         )
         out.append((request, kind))
     return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -176,6 +176,11 @@ def family_for_language(language: str) -> ModelSpec:
             return spec
     known = ", ".join(code for spec in SPECS.values() for code in spec.languages)
     raise ValueError(f"no model family speaks {str(language)!r}; languages known: {known}")
+
+
+def with_voices(spec: ModelSpec, names: Iterable[str]) -> ModelSpec:
+    """`spec` with `names` added to its voices (those it has already are kept once, in place)."""
+    return replace(spec, voices=tuple(dict.fromkeys((*spec.voices, *names))))
 
 
 def spec_for(name: str | None) -> ModelSpec:

@@ -6,7 +6,7 @@ the server, so it imports nothing of them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,6 +46,7 @@ class SpeechOptions:
     voice: str | None
     sampling: SamplingParams
     overrides: SamplingOverrides = SamplingOverrides()
+    adapter: str | None = None  # the LoRA adapter that speaks (given, or the one the voice maps to); None: none
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.voice, self.sampling))
@@ -63,11 +64,23 @@ class SpeechOptions:
         defaults: SamplingParams,
         voice: str | None,
         sampling: SamplingOverrides | None,
+        adapter: str | None = None,
+        adapters: Collection[str] = (),
+        voice_adapters: Mapping[str, str] | None = None,
         **changes: Any,
     ) -> SpeechOptions:
-        """`voice` and the sampling overrides checked against `spec` and applied to `defaults`; TypeError/ValueError."""
+        """`voice` and the sampling overrides checked against `spec` and applied to `defaults`, and `adapter` against
+        `adapters` (None: the adapter `voice_adapters` maps the voice to, if any); TypeError/ValueError."""
         overrides = SamplingOverrides.of(sampling, **changes)
-        return cls(spec.check_voice(voice), overrides.apply(defaults), overrides)
+        voice = spec.check_voice(voice)
+        if adapter is None:
+            adapter = (voice_adapters or {}).get(voice or "")
+        elif not isinstance(adapter, str):
+            raise TypeError(f"adapter must be a str, got {type(adapter).__name__} {adapter!r}")
+        elif adapter not in adapters:
+            known = ", ".join(adapters) or "none (EngineConfig.adapters)"
+            raise ValueError(f"unknown adapter {adapter!r}; this engine's adapters: {known}")
+        return cls(voice, overrides.apply(defaults), overrides, adapter)
 
     @staticmethod
     def chosen(
@@ -75,15 +88,17 @@ class SpeechOptions:
         check: Callable[..., SpeechOptions],
         voice: str | None,
         sampling: Any,
+        adapter: str | None = None,
         **changes: Any,
     ) -> SpeechOptions:
-        """A synthesize call's options: `given` as it is (checked before), else `check(voice, sampling, **changes)`."""
+        """A synthesize call's options: `given` as it is (checked before), else `check(voice, sampling, adapter=adapter,
+        **changes)`."""
         if given is None:
-            return check(voice, sampling, **changes)
+            return check(voice, sampling, adapter=adapter, **changes)
         if not isinstance(given, SpeechOptions):
             raise TypeError(f"options must be SpeechOptions (from check_options), got {type(given).__name__}")
-        if voice is not None or sampling is not None or changes:
-            raise TypeError("pass either options or voice/sampling values, not both")
+        if voice is not None or sampling is not None or adapter is not None or changes:
+            raise TypeError("pass either options or voice/adapter/sampling values, not both")
         return given
 
 
@@ -129,11 +144,17 @@ class SpeechEngine(Protocol):
         voice: str | None = None,
         sampling: SamplingOverrides | None = None,
         options: SpeechOptions | None = None,
+        adapter: str | None = None,
         **overrides: Any,
     ) -> Speech: ...
 
     def check_options(
-        self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: Any
+        self,
+        voice: str | None = None,
+        sampling: SamplingOverrides | None = None,
+        *,
+        adapter: str | None = None,
+        **overrides: Any,
     ) -> SpeechOptions: ...
 
     def sentences(self, text: str) -> list[str]: ...

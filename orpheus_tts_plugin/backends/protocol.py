@@ -24,6 +24,7 @@ class GenerationRequest:
     # The leading ids of `prompt_ids` that other requests share (a cloned voice's reference turn): a backend may
     # compute their KV once and reuse it (hf: its prefix store; vLLM, TensorRT-LLM: their own prefix caching).
     prefix_len: int = 0
+    adapter: str | None = None  # the LoRA adapter (EngineConfig.adapters) that generates it; None: the base model
 
 
 class FinishReason:

@@ -230,20 +230,16 @@ class RemoteEngine:
 
     # ---------------------------------------------------------------- options
     def check_options(
-        self, voice: str | None = None, sampling: SamplingOverrides | None = None, **overrides: float | int | None
+        self,
+        voice: str | None = None,
+        sampling: SamplingOverrides | None = None,
+        *,
+        adapter: str | None = None,
+        **overrides: float | int | None,
     ) -> SpeechOptions:
-        """The voice and sampling a request would use, checked locally against what the servers accept;
+        """The voice, adapter and sampling a request would use, checked locally against what the servers accept;
         TypeError/ValueError naming what is wrong."""
-        self._take_pushed_voices()
-        return SpeechOptions.check(self.spec, self.sampling, voice, sampling, **overrides)
-
-    def _take_pushed_voices(self) -> None:
-        """The voices the servers' latest `status` listed (cloned voices added since the hello), if any."""
-        pushed = [u.status["voices"] for u in self._upstreams if u.conn is not None and "voices" in u.status]
-        if pushed:
-            voices = tuple(dict.fromkeys(v for listed in pushed for v in listed))
-            if voices != self.spec.voices:
-                self.spec = replace(self.spec, voices=voices)
+        return SpeechOptions.check(self.spec, self.sampling, voice, sampling, adapter, (), None, **overrides)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, in order, as the server splits them (`AudioChunk.utterance`)."""
@@ -257,6 +253,7 @@ class RemoteEngine:
         voice: str | None = None,
         sampling: SamplingOverrides | None = None,
         options: SpeechOptions | None = None,
+        adapter: str | None = None,
         **overrides: Any,
     ) -> Speech:
         """Speak `text` on a server: a `Speech` as OrpheusEngine.synthesize returns it (validated eagerly).
@@ -264,7 +261,7 @@ class RemoteEngine:
         The server fills in its own sampling defaults: only the overrides travel. Leaving the loop early,
         `aclose()` or cancelling the task sends `cancel` at once.
         """
-        options = SpeechOptions.chosen(options, self.check_options, voice, sampling, **overrides)
+        options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         sentences = self.sentences(text)
         return Speech(sentences, self._synthesize(protocol.Start(text, options.voice, options.overrides)))
 

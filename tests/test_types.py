@@ -62,7 +62,7 @@ def test_synthesize_with_options_does_not_check_them_again(
 
 def test_options_together_with_voice_or_sampling_values_are_refused(engine: OrpheusEngine) -> None:
     options = engine.check_options()
-    with pytest.raises(TypeError, match="either options or voice/sampling"):
+    with pytest.raises(TypeError, match="either options or voice/adapter/sampling"):
         engine.synthesize("Hi.", options=options, seed=1)
     with pytest.raises(TypeError, match="options must be SpeechOptions"):
         engine.synthesize("Hi.", options=("tara", None))  # type: ignore[arg-type]

@@ -81,6 +81,9 @@ def _add_weights(sub: argparse._SubParsersAction) -> None:
     mk.add_argument("--snac", choices=("full", "tiny"), default="full")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--head-dim", type=int, default=32, help="attention head width (vLLM's CPU build needs >= 32)")
+    mk.add_argument(
+        "--adapter", action="append", metavar="ADIR", help="also write a random LoRA adapter (PEFT) to ADIR; repeatable"
+    )
     mk.set_defaults(**_handler("tools.testmodel:make_test_model_main"))
 
     from .tools import quantize

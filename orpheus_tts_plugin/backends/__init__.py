@@ -46,6 +46,7 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
             max_batch_size=config.batch_size,
             max_seq_len=config.max_seq_len,
             spec=spec,
+            adapters=config.adapters,
             **options,
         )
     if name == "trtllm":

@@ -19,7 +19,12 @@ paused row's state (tested on CPU); captured on an H200, 4.8-6.2 ms a step at 1-
 
 Prefix reuse (`prefix_reuse=True`): a request's shared leading ids (`GenerationRequest.prefix_len`, a cloned
 voice's reference turn) are prefilled once; their keys and values are kept (an LRU of `max_prefixes`, keyed by
-the ids) and copied into each later row's slot at admission, which then prefills only the rest.
+the adapter and the ids) and copied into each later row's slot at admission, which then prefills only the rest.
+
+LoRA adapters (`adapters`, name -> PEFT folder): loaded at start and hooked into the targeted Linears
+(`lora.py`); each slot holds its request's adapter index (0: the base model) in a device table that every
+forward reads, so one forward serves base and adapter rows together, in the eager, static and captured steps
+alike. With no adapter configured nothing is hooked and the forward is the base model's.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import collections
 import heapq
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +42,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..spec import CODEBOOK_SIZE, ENGLISH, TOKENS_PER_FRAME, ModelSpec
+from .lora import LoraSet, load_adapters
 from .protocol import FinishReason, GenerationRequest
 from .sampling import penalize, sample, uniforms
 from .stepped import SteppedBackend
@@ -76,6 +82,7 @@ class HFBackend(SteppedBackend):
         static_shapes: bool | None = None,
         prefix_reuse: bool = True,
         max_prefixes: int = 16,
+        adapters: Mapping[str, str] | Sequence[tuple[str, str]] = (),
     ):
         super().__init__(max_batch_size)
         if max_seq_len < 2:
@@ -99,8 +106,10 @@ class HFBackend(SteppedBackend):
         self.top_k = top_k
         self.prefix_reuse = prefix_reuse
         self.max_prefixes = max_prefixes
-        # Shared prefixes' keys and values per layer, (kv head, position, head_dim) each, most recently used last.
-        self._prefixes: collections.OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]]
+        self.adapters = tuple(sorted(dict(adapters).items()))  # (name, PEFT folder or hub id), loaded by _load
+        # Shared prefixes' keys and values per layer, (kv head, position, head_dim) each, by (adapter, prefix ids)
+        # (an adapter's keys and values differ from the base model's), most recently used last.
+        self._prefixes: collections.OrderedDict[_PrefixKey, tuple[list[torch.Tensor], list[torch.Tensor]]]
         self._prefixes = collections.OrderedDict()
         self._prefix_lock = threading.Lock()  # guards _prefixes (forget_prefix comes from any thread)
         # CPU splits rows by sampling path (reading flags is free there); CUDA never branches on device data.
@@ -127,6 +136,8 @@ class HFBackend(SteppedBackend):
         self.audio_seen = _UNLOADED  # (slot, 7, 4097): 1.0 where the column was seen (floats: the penalty multiplies)
         self.slot_sampling = _UNLOADED  # (slot, 3): temperature, top_p, repetition penalty
         self.slot_seed = _UNLOADED  # (slot,): the seed of each slot's counter-based uniforms
+        self.slot_adapter = _UNLOADED  # (slot,): the adapter index of each slot's request (0: the base model)
+        self.lora: LoraSet | None = None  # the adapters hooked into the model, if any
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     # -- model (everything below runs on the stepping thread) --
@@ -140,6 +151,8 @@ class HFBackend(SteppedBackend):
 
             model = AutoModelForCausalLM.from_pretrained(self.model_name, dtype=self.dtype)
         self.model = model.to(self.device).eval()
+        if self.adapters:
+            self.lora = load_adapters(self.model, self.adapters, self.device, self.dtype)
         cfg = self.model.config
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (self.max_batch_size, cfg.num_key_value_heads, self.max_seq_len, self.head_dim)
@@ -153,6 +166,7 @@ class HFBackend(SteppedBackend):
         self.audio_seen = torch.zeros(n, TOKENS_PER_FRAME, COLUMNS, device=dev)
         self.slot_sampling = torch.tensor([[0.0, 1.0, 1.0]] * n, device=dev)
         self.slot_seed = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_adapter = torch.zeros(n, dtype=torch.long, device=dev)
         if self.cuda_graphs:
             self._capture_graphs()
 
@@ -201,6 +215,8 @@ class HFBackend(SteppedBackend):
             mask = torch.zeros(window, 1, T, length, dtype=torch.bool, device=dev).index_copy_(0, rows, mask)
             mask[..., 0] = True
 
+        if self.lora is not None:  # each row's adapter, read on the device: no branch on which rows use one
+            self.lora.select(self.slot_adapter[slots])
         x = model.embed_tokens(ids)
         cos, sin = model.rotary_emb(x, pos)
         for i, layer in enumerate(model.layers):
@@ -271,30 +287,41 @@ class HFBackend(SteppedBackend):
             raise ValueError(f"prompt id out of range [0, {self.vocab_size})")
         if req.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        adapter = self._adapter_index(req.adapter)
         slot = heapq.heappop(self.free_slots)
         s = req.sampling
         seed = secrets.randbits(63) if s.seed is None else s.seed
         try:
-            self._prefill(slot, ids[:-1], req.prefix_len if self.prefix_reuse else 0)
+            if self.lora is not None:
+                self.slot_adapter[slot] = adapter
+            self._prefill(slot, ids[:-1], req.prefix_len if self.prefix_reuse else 0, req.adapter)
             self._reset_slot(slot, ids, s.temperature, s.top_p, s.repetition_penalty, seed)
         except BaseException:
             heapq.heappush(self.free_slots, slot)
             raise
         return Row(req, slot, len(ids) - 1, ids[-1], 0, frozenset(req.stop_ids), seed)
 
-    def _prefill(self, slot: int, ids: tuple[int, ...], shared: int) -> None:
-        """Put the keys and values of `ids` in `slot`, its first `shared` ids from the prefix store (computed and
-        stored if absent), the rest by a forward."""
+    def _adapter_index(self, name: str | None) -> int:
+        """The adapter index of a request's adapter (0: none); ValueError for one this backend has not loaded."""
+        if self.lora is not None:
+            return self.lora.index(name)
+        if name is not None:
+            raise ValueError(f"unknown adapter {name!r}; this backend has no adapters (EngineConfig.adapters)")
+        return 0
+
+    def _prefill(self, slot: int, ids: tuple[int, ...], shared: int, adapter: str | None = None) -> None:
+        """Put the keys and values of `ids` in `slot` (whose adapter is `adapter`), its first `shared` ids from the
+        prefix store (computed and stored if absent), the rest by a forward."""
         start = 0
         if 0 < shared <= len(ids):
-            key = ids[:shared]
+            key = (adapter, ids[:shared])
             with self._prefix_lock:
                 kv = self._prefixes.get(key)
                 if kv is not None:
                     self._prefixes.move_to_end(key)
             if kv is None:
                 self._counters["prefix_misses"] += 1
-                self.forward(torch.tensor([key], device=self.device), [slot], [0])
+                self.forward(torch.tensor([ids[:shared]], device=self.device), [slot], [0])
                 kv = (
                     [k[slot, :, :shared].clone() for k in self.k_cache],
                     [v[slot, :, :shared].clone() for v in self.v_cache],
@@ -312,14 +339,18 @@ class HFBackend(SteppedBackend):
             self.forward(torch.tensor([ids[start:]], device=self.device), [slot], [start])
 
     def forget_prefix(self, ids: tuple[int, ...]) -> None:
-        """Free the stored keys and values of prefix `ids`, if stored (any thread; a voice was removed)."""
+        """Free the stored keys and values of prefix `ids` (of every adapter), if stored (any thread; a voice was
+        removed)."""
+        ids = tuple(ids)
         with self._prefix_lock:
-            self._prefixes.pop(tuple(ids), None)
+            for key in [k for k in self._prefixes if k[1] == ids]:
+                del self._prefixes[key]
 
     def stats(self) -> dict:
         with self._prefix_lock:
             cached = len(self._prefixes)
-        return {**super().stats(), "cached_prefixes": cached}
+        adapters = {"adapters": list(self.lora.names)} if self.lora is not None else {}
+        return {**super().stats(), "cached_prefixes": cached, **adapters}
 
     def _reset_slot(
         self, slot: int, prompt: tuple[int, ...], temperature: float, top_p: float, penalty: float, seed: int
@@ -499,11 +530,17 @@ class HFBackend(SteppedBackend):
     async def close(self) -> None:
         """Stop the stepping thread and drop the model, KV cache and graphs."""
         await super().close()
+        if self.lora is not None:
+            self.lora.remove()  # a model passed in computes the base alone again
+            self.lora = None
         self.model = None
         self.k_cache = self.v_cache = []
         self._graphs = {}
         with self._prefix_lock:
             self._prefixes.clear()
+
+
+_PrefixKey = tuple[str | None, tuple[int, ...]]  # a stored prefix: (its adapter, its ids)
 
 
 def _buckets(top: int, start: int = 1) -> tuple[int, ...]:

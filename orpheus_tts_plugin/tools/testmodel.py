@@ -3,6 +3,7 @@
 Build and test machines cannot download weights; `make_test_model(dir)` writes `dir/orpheus` (a
 `LlamaForCausalLM` whose tokenizer has the real Orpheus / Llama 3 token ids) and `dir/snac` (the real
 24 kHz SNAC architecture, or a narrow one with the same rates), loaded by the same code as the real ones.
+`write_lora_adapter(model_dir, out)` writes a random LoRA adapter of it in PEFT's format.
 Random weights make noise, not speech. The Llama's attention heads are 32 wide by default (hidden 64, 4 query and 2
 KV heads): vLLM's CPU attention supports head sizes 32, 64, 80, ... 512, not 16.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -245,8 +247,81 @@ def make_test_model(out_dir: str | Path, snac: str = "full", seed: int = 0, head
     write_snac(out / "snac", snac, seed)
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_lora_adapter(
+    model_dir: str | Path,
+    out: str | Path,
+    rank: int = 8,
+    alpha: float = 16.0,
+    seed: int = 1,
+    targets: tuple[str, ...] = LORA_TARGETS,
+    strength: float = 0.5,
+) -> None:
+    """A random LoRA adapter of the checkpoint in `model_dir`, written to `out` as PEFT saves one.
+
+    `out/adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules, base_model_name_or_path) and
+    `out/adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight` (r, in) and `...lora_B.weight`
+    (out, r) per target Linear of every layer). A and B are both random (PEFT starts B at zero), B scaled so that
+    each module's update `alpha / r * B @ A` has `strength` times the standard deviation of its base weight: the
+    adapter changes the tokens, and the logits stay finite. Deterministic given seed.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    if not targets or not set(targets) <= set(LORA_TARGETS):
+        raise ValueError(f"targets must be some of {', '.join(LORA_TARGETS)}, got {targets!r}")
+    model_dir, out = Path(model_dir), Path(out)
+    pattern = re.compile(rf"(model\.layers\.\d+\.(?:self_attn|mlp)\.({'|'.join(targets)}))\.weight$")
+    tensors: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(seed)
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        for key in sorted(f.keys()):
+            match = pattern.fullmatch(key)
+            if match is None:
+                continue
+            w = f.get_tensor(key).float()
+            a = torch.randn(rank, w.shape[1], generator=gen) / w.shape[1] ** 0.5
+            b = torch.randn(w.shape[0], rank, generator=gen)
+            b *= strength * w.std() / (alpha / rank * (b @ a)).std()
+            name = f"base_model.model.{match.group(1)}"
+            tensors[f"{name}.lora_A.weight"] = a.contiguous()
+            tensors[f"{name}.lora_B.weight"] = b.contiguous()
+    if not tensors:
+        raise ValueError(f"{model_dir}: no Linear named {', '.join(targets)} in model.safetensors")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "alpha_pattern": {},
+        "base_model_name_or_path": str(model_dir),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": sorted(targets),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def make_test_model_main(args: argparse.Namespace) -> int:
     """Run `orpheus-tts make-test-model` from parsed arguments."""
     make_test_model(args.dir, snac=args.snac, seed=args.seed, head_dim=getattr(args, "head_dim", HEAD_DIM))
     print(f"wrote {Path(args.dir) / 'orpheus'} and {Path(args.dir) / 'snac'}")
+    for i, adapter in enumerate(getattr(args, "adapter", None) or []):
+        write_lora_adapter(Path(args.dir) / "orpheus", adapter, seed=args.seed + 1 + i)
+        print(f"wrote LoRA adapter {adapter}")
     return 0

@@ -106,6 +106,7 @@ class RemoteEngine:
         self.config = RemoteConfig(",".join(urls), model, model_family)
         self.spec: ModelSpec = spec_for(model_family)  # replaced at each hello (connection's loop writes)
         self.sampling = SamplingParams()  # the server's defaults, replaced at each hello
+        self.adapters: tuple[str, ...] = ()  # the server's LoRA adapters, replaced at each hello
         self._sentence_max_chars = EngineConfig().sentence_max_chars  # the server's, replaced at each hello
         self._ssl = ssl
         self._api_key = api_key  # None: Connection.open takes $ORPHEUS_API_KEY
@@ -239,7 +240,17 @@ class RemoteEngine:
     ) -> SpeechOptions:
         """The voice, adapter and sampling a request would use, checked locally against what the servers accept;
         TypeError/ValueError naming what is wrong."""
-        return SpeechOptions.check(self.spec, self.sampling, voice, sampling, adapter, (), None, **overrides)
+        self._take_pushed_voices()
+        # A voice the server maps to an adapter needs no adapter here: the server picks it (None travels).
+        return SpeechOptions.check(self.spec, self.sampling, voice, sampling, adapter, self.adapters, None, **overrides)
+
+    def _take_pushed_voices(self) -> None:
+        """The voices the servers' latest `status` listed (cloned voices added since the hello), if any."""
+        pushed = [u.status["voices"] for u in self._upstreams if u.conn is not None and "voices" in u.status]
+        if pushed:
+            voices = tuple(dict.fromkeys(v for listed in pushed for v in listed))
+            if voices != self.spec.voices:
+                self.spec = replace(self.spec, voices=voices)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, in order, as the server splits them (`AudioChunk.utterance`)."""
@@ -263,7 +274,8 @@ class RemoteEngine:
         """
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         sentences = self.sentences(text)
-        return Speech(sentences, self._synthesize(protocol.Start(text, options.voice, options.overrides)))
+        request = protocol.Start(text, options.voice, options.overrides, options.adapter)
+        return Speech(sentences, self._synthesize(request))
 
     async def _synthesize(self, request: protocol.Start) -> AsyncGenerator[AudioChunk, None]:
         if self._closed:
@@ -359,6 +371,7 @@ class RemoteEngine:
         base = SPECS.get(hello.model_family) or ModelSpec(name=hello.model_family)
         self.spec = replace(base, voices=hello.voices, default_voice=hello.default_voice)
         self.sampling = hello.sampling
+        self.adapters = hello.adapters
         self._sentence_max_chars = hello.sentence_max_chars
         self._count("connects")
         self._connected.set()

@@ -107,9 +107,13 @@ class Start:
     text: str
     voice: str | None = None
     sampling: SamplingOverrides = SamplingOverrides()
+    adapter: str | None = None  # a LoRA adapter of the server's (hello `adapters`); None: the voice's, if any
 
     def message(self, sid: int) -> dict[str, Any]:
-        return {"type": "start", "id": sid, "text": self.text, "voice": self.voice, "sampling": self.sampling.given()}
+        out = {"type": "start", "id": sid, "text": self.text, "voice": self.voice, "sampling": self.sampling.given()}
+        if self.adapter is not None:  # absent otherwise: the message a server without adapters knows
+            out["adapter"] = self.adapter
+        return out
 
     @classmethod
     def parse(cls, message: dict[str, Any]) -> Start:
@@ -121,7 +125,10 @@ class Start:
             raise TypeError(f"voice must be a str or null, got {type(voice).__name__}")
         if not isinstance(sampling, dict):
             raise TypeError(f"sampling must be an object, got {type(sampling).__name__}")
-        return cls(text, voice, SamplingOverrides.of(**sampling))
+        adapter = message.get("adapter")
+        if adapter is not None and not isinstance(adapter, str):
+            raise TypeError(f"adapter must be a str or null, got {type(adapter).__name__}")
+        return cls(text, voice, SamplingOverrides.of(**sampling), adapter)
 
 
 def cancel(sid: int) -> dict[str, Any]:
@@ -171,10 +178,12 @@ class Hello:
     sample_rate: int
     sentence_max_chars: int  # how the server splits text into sentences (AudioChunk.utterance indexes them)
     protocol: int = PROTOCOL_VERSION
+    adapters: tuple[str, ...] = ()  # its LoRA adapters (EngineConfig.adapters); their voices are among `voices`
 
     def message(self) -> dict[str, Any]:
         out = asdict(self)
         out["voices"] = list(self.voices)
+        out["adapters"] = list(self.adapters)
         return {"type": "hello", **out}
 
     @classmethod
@@ -195,6 +204,7 @@ class Hello:
                 max_streams=int(message["max_streams"]),
                 sample_rate=int(message["sample_rate"]),
                 sentence_max_chars=int(message["sentence_max_chars"]),
+                adapters=tuple(message.get("adapters") or ()),  # absent: a server without adapters
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed hello: {exc!r}") from None

@@ -62,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--frames-per-token", type=float, default=SyntheticConfig().frames_per_prompt_token,
         help="synthetic backend: frames per prompt token (sets utterance length)",
     )  # fmt: skip
+    p.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=PATH",
+        help="a LoRA adapter (PEFT folder or hub id) served beside the model; repeatable (docs/voices.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--adapter-voice", action="append", default=[], metavar="VOICE=NAME",
+        help="a fine-tuned voice: VOICE is spoken by adapter NAME; repeatable",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8880)
     p.add_argument("--uds", default=None, help="listen on this Unix socket instead of host:port")
@@ -132,7 +140,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         token_budget_base=args.budget_base,
         compile=args.compile,
         synthetic=SyntheticConfig(tokens_per_second=args.token_rate, frames_per_prompt_token=args.frames_per_token),
+        adapters=_pairs("--adapter", getattr(args, "adapter", [])),
+        adapter_voices=_pairs("--adapter-voice", getattr(args, "adapter_voice", [])),
     )
+
+
+def _pairs(flag: str, items: list[str]) -> dict[str, str]:
+    """KEY=VALUE flags as a dict; ValueError naming the flag for one without "=" or a key given twice."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{flag} takes KEY=VALUE, got {item!r}")
+        if key in out:
+            raise ValueError(f"{flag} names {key!r} twice")
+        out[key] = value
+    return out
 
 
 def policy(args: argparse.Namespace) -> Policy:

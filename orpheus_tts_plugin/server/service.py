@@ -52,6 +52,7 @@ class Service:
             max_streams=cfg.max_streams,
             sample_rate=SAMPLE_RATE,
             sentence_max_chars=cfg.sentence_max_chars,
+            adapters=cfg.adapter_names,
         )
 
     def readiness(self) -> tuple[bool, str]:
@@ -126,7 +127,9 @@ class Service:
                     )
                 self.key_streams[key] += 1
                 held = True
-            chunks = self.engine.synthesize(request.text, voice=request.voice, sampling=request.sampling)
+            chunks = self.engine.synthesize(
+                request.text, voice=request.voice, sampling=request.sampling, adapter=request.adapter
+            )
             first = True
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 FORMATS = {"pcm": "audio/pcm", "wav": "audio/wav"}
 DEFAULT_FORMAT = "wav"  # OpenAI's default is mp3, which this server does not encode; WAV describes itself
 OPENAI_FIELDS = ("model", "input", "voice", "response_format", "speed", "stream_format", "instructions")
+OWN_FIELDS = ("adapter",)  # beside OpenAI's and the sampling fields: a LoRA adapter of this server's
 
 
 def wav_header(sample_rate: int = SAMPLE_RATE) -> bytes:
@@ -49,11 +50,10 @@ def parse_body(body: Any) -> tuple[protocol.Start, str]:
     """(request, response format) from the JSON body; TypeError/ValueError naming the field."""
     if not isinstance(body, dict):
         raise TypeError("the request body must be a JSON object")
-    unknown = set(body) - set(OPENAI_FIELDS) - set(SAMPLING_FIELDS)
+    known = OPENAI_FIELDS + SAMPLING_FIELDS + OWN_FIELDS
+    unknown = set(body) - set(known)
     if unknown:
-        raise TypeError(
-            f"unknown field(s) {', '.join(sorted(unknown))}; known: {', '.join(OPENAI_FIELDS + SAMPLING_FIELDS)}"
-        )
+        raise TypeError(f"unknown field(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}")
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise TypeError("model must be a non-empty string")
     voice = body.get("voice")
@@ -73,8 +73,11 @@ def parse_body(body: Any) -> tuple[protocol.Start, str]:
     text = body.get("input")
     if not isinstance(text, str):
         raise TypeError(f"input must be a string, got {type(text).__name__}")
+    adapter = body.get("adapter")
+    if adapter is not None and not isinstance(adapter, str):
+        raise TypeError(f"adapter must be a string, got {type(adapter).__name__}")
     sampling = SamplingOverrides.of(**{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None})
-    return protocol.Start(text, voice or None, sampling), fmt
+    return protocol.Start(text, voice or None, sampling, adapter or None), fmt
 
 
 async def read_json(request: Request, policy: Policy) -> Any:

@@ -107,6 +107,7 @@ class TTS(tts.TTS):
         voice: str | None = None,
         language: str | None = None,
         sampling: SamplingOverrides | None = None,
+        adapter: str | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
         word_weights: Weights = DEFAULT_WEIGHTS,
         **overrides: float | int | None,
@@ -115,7 +116,8 @@ class TTS(tts.TTS):
 
         `language` (a code such as "fr" or "de-AT", or a `LanguageCode`): the language to speak, one the
         engine's model family speaks (ValueError otherwise); without `voice` it picks that language's default
-        voice (docs/voices.md). None: the family's own language.
+        voice (docs/voices.md). None: the family's own language. `adapter`: a LoRA adapter of the engine's
+        (`EngineConfig.adapters`); None: the voice's own (a fine-tuned voice's, `adapter_voices`), if any.
 
         Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty, max_tokens,
         seed); None uses the engine's default. `sentence_tokenizer` decides where
@@ -133,8 +135,9 @@ class TTS(tts.TTS):
         # Checked here and at each update_options (TypeError/ValueError now, not mid-call), then passed as they are.
         self._language = self._check_language(language)
         self._voice = voice  # as given (None: the language's default voice)
+        self._adapter = adapter  # as given (None: the voice's, if any)
         self._opts: SpeechOptions = self._engine.check_options(
-            self._voice_for(voice, self._language), sampling, **overrides
+            self._voice_for(voice, self._language), sampling, adapter=adapter, **overrides
         )
         self._sentence_tokenizer = (
             sentence_tokenizer if utils.is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
@@ -149,6 +152,11 @@ class TTS(tts.TTS):
     @property
     def voice(self) -> str | None:
         return self._opts.voice
+
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter that speaks: as given, or the fine-tuned voice's; None: the base model."""
+        return self._opts.adapter
 
     @property
     def language(self) -> LanguageCode | None:
@@ -168,19 +176,22 @@ class TTS(tts.TTS):
         *,
         voice: NotGivenOr[str | None] = NOT_GIVEN,
         language: NotGivenOr[str | None] = NOT_GIVEN,
+        adapter: NotGivenOr[str | None] = NOT_GIVEN,
         **overrides: NotGivenOr[float | int | None],
     ) -> None:
-        """Change options for streams created from now on: voice, language and sampling fields (None restores the
-        default). A new language without a voice keeps the current voice if it speaks that language, else takes
-        the language's default voice; a language the model family does not speak is a ValueError."""
+        """Change options for streams created from now on: voice, language, adapter and sampling fields (None
+        restores the default). A new language without a voice keeps the current voice if it speaks that language,
+        else takes the language's default voice; a language the model family does not speak is a ValueError."""
         changes = {k: v for k, v in overrides.items() if utils.is_given(v)}
         new_language, new_voice = self._language, voice if utils.is_given(voice) else self._voice
         if utils.is_given(language):
             new_language = self._check_language(language)
             if not utils.is_given(voice) and self._voice is not None and new_language is not None:
                 new_voice = self._engine.spec.voice_for_language(new_language.language, self._voice)
-        opts = self._engine.check_options(self._voice_for(new_voice, new_language), self._opts.overrides, **changes)
-        self._opts, self._voice, self._language = opts, new_voice, new_language
+        new_adapter = adapter if utils.is_given(adapter) else self._adapter
+        voice_asked = self._voice_for(new_voice, new_language)
+        opts = self._engine.check_options(voice_asked, self._opts.overrides, adapter=new_adapter, **changes)
+        self._opts, self._voice, self._language, self._adapter = opts, new_voice, new_language, new_adapter
 
     def _check_language(self, language: str | None) -> LanguageCode | None:
         """`language` normalised (LiveKit's `LanguageCode`), checked against the model family; None: the family's."""

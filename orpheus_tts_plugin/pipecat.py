@@ -137,10 +137,14 @@ class _Playout:
 
 @dataclass
 class OrpheusTTSSettings(TTSSettings):
-    """Pipecat TTS settings (model, voice, language) plus the Orpheus sampling overrides, runtime-updatable.
+    """Pipecat TTS settings (model, voice, language) plus the Orpheus sampling overrides and LoRA adapter,
+    runtime-updatable.
 
-    One field per `SamplingOverrides` field, None meaning the engine's default (tests check the two agree).
+    One field per `SamplingOverrides` field, None meaning the engine's default (tests check the two agree);
+    `adapter`: one of the engine's `EngineConfig.adapters`, None: the voice's own (a fine-tuned voice's), if any.
     """
+
+    adapter: str | None | NotGiven = _delta_field()
 
     temperature: float | None | NotGiven = _delta_field()
     top_p: float | None | NotGiven = _delta_field()
@@ -188,11 +192,12 @@ class OrpheusTTSService(TTSService):
             model=self._engine.config.model,
             voice=self._engine.spec.default_voice,
             language=_language_of(self._engine.spec),
+            adapter=None,
             **dict.fromkeys(SAMPLING_FIELDS),
         )
         if settings is not None:
             store.apply_update(self._with_language_voice(settings, store))
-        self._checked: tuple[tuple[str | None, SamplingOverrides], SpeechOptions] | None = None  # see _options
+        self._checked: tuple[tuple[str | None, SamplingOverrides, str | None], SpeechOptions] | None = None
         self._validate(store)
         self._ready_handlers: list[Callable[..., Any]] = []  # on_engine_ready's
         self._keepalive_s = kwargs.get("stop_frame_timeout_s", _STOP_FRAME_TIMEOUT_S) / 2
@@ -368,9 +373,9 @@ class OrpheusTTSService(TTSService):
 
     def _options(self, settings: OrpheusTTSSettings) -> SpeechOptions:
         """The engine's checked options for `settings`: checked once each time they change, then passed as they are."""
-        key = (settings.voice, self._sampling(settings))
+        key = (settings.voice, self._sampling(settings), settings.adapter)
         if self._checked is None or self._checked[0] != key:
-            self._checked = (key, self._engine.check_options(*key))
+            self._checked = (key, self._engine.check_options(key[0], key[1], adapter=key[2]))
         return self._checked[1]
 
     @staticmethod

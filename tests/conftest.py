@@ -75,6 +75,24 @@ def hf_config(test_model_dir: Path) -> EngineConfig:
     )
 
 
+@pytest.fixture(scope="session")
+def lora_adapter_dir(test_model_dir: Path) -> Path:
+    """A random LoRA adapter (PEFT format) of the test model: `make-test-model --adapter` output."""
+    from orpheus_tts_plugin.tools.testmodel import write_lora_adapter
+
+    out = test_model_dir / "adapter-x"
+    write_lora_adapter(test_model_dir / "orpheus", out, seed=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_lora_config(hf_config: EngineConfig, lora_adapter_dir: Path) -> EngineConfig:
+    """`hf_config` with adapter "x" and the fine-tuned voice "maya" it speaks."""
+    from dataclasses import replace
+
+    return replace(hf_config, adapters={"x": str(lora_adapter_dir)}, adapter_voices={"maya": "x"})
+
+
 @pytest.fixture
 def run_script() -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run `python scripts/NAME ARGS` on this checkout's package (PYTHONPATH), not whichever one the venv installed."""

@@ -66,6 +66,25 @@ async def _next_event(stream: AsyncIterator[SynthesizedAudio]) -> SynthesizedAud
     return await asyncio.wait_for(stream.__anext__(), 10)
 
 
+async def test_a_fine_tuned_voice_and_an_adapter_speak_with_their_adapter(hf_lora_config: EngineConfig) -> None:
+    engine = OrpheusEngine(hf_lora_config)
+    await engine.start()
+    try:
+        for tts, voice in ((orpheus.TTS(engine=engine, voice="maya", seed=3), "maya"),
+                           (orpheus.TTS(engine=engine, voice="tara", adapter="x", seed=3), "tara")):  # fmt: skip
+            assert tts.adapter == "x"
+            got = _pcm([ev async for ev in tts.synthesize("Hi there.")])
+            reference = [c.pcm async for c in engine.synthesize("Hi there.", voice=voice, adapter="x", seed=3)]
+            assert _close(got, np.frombuffer(b"".join(reference), "<i2"))
+        tts.update_options(adapter=None)
+        assert tts.adapter is None
+        with pytest.raises(ValueError, match="unknown adapter 'nope'"):
+            tts.update_options(adapter="nope")
+        assert tts.adapter is None
+    finally:
+        await engine.aclose()
+
+
 # ---------------------------------------------------------------------------------------------- synthesize()
 async def test_a_cloned_voice_is_taken_by_name_like_a_stock_one(engine: OrpheusEngine) -> None:
     rng = np.random.default_rng(5)

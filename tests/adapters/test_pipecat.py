@@ -320,6 +320,12 @@ def hf_engine(hf_config: EngineConfig):
     yield from closing_engine(hf_config)
 
 
+@pytest.fixture(scope="module")
+def lora_engine(hf_lora_config: EngineConfig):
+    """`hf_engine` with LoRA adapter "x" and the fine-tuned voice "maya" it speaks."""
+    yield from closing_engine(hf_lora_config)
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("rate", [24_000, 16_000, 8_000])
 async def test_speak_frame_yields_started_audio_at_pipeline_rate_then_stopped(engine: OrpheusEngine, rate: int):
@@ -441,6 +447,23 @@ async def test_a_cloned_voice_is_taken_by_name_like_a_stock_one(engine: OrpheusE
         assert not errors(up)
     finally:
         engine.remove_voice("clone-pc")
+
+
+async def test_a_fine_tuned_voice_and_an_adapter_setting_speak_with_their_adapter(lora_engine: OrpheusEngine):
+    options = dict(seed=8, max_tokens=70)
+    maya = OrpheusTTSService(engine=lora_engine, settings=Settings(voice="maya", **options))
+    tara_x = OrpheusTTSService(engine=lora_engine, settings=Settings(voice="tara", adapter="x", **options))
+    for service, voice in ((maya, "maya"), (tara_x, "tara")):
+        down, up = await run(service, [TTSSpeakFrame("Hi there.")])
+        [spoken] = audio_by_context(down).values()
+        assert_audio_matches(spoken, await engine_pcm(lora_engine, "Hi there.", voice=voice, adapter="x", **options))
+        assert not errors(up)
+    base = await engine_pcm(lora_engine, "Hi there.", voice="tara", **options)
+    x = await engine_pcm(lora_engine, "Hi there.", voice="tara", adapter="x", **options)
+    assert len(base) != len(x) or max_difference(base, x) > 100 * AUDIO_TOLERANCE  # the adapter changes the audio
+    down, up = await run(tara_x, [TTSUpdateSettingsFrame(delta=Settings(adapter="nope")), TTSSpeakFrame("Hi.")])
+    [error] = errors(up)
+    assert "unknown adapter 'nope'" in error.error
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,6 @@ import pytest
 from orpheus_tts_plugin import EngineConfig, RemoteEngine
 from orpheus_tts_plugin.cli import build_parser
 from orpheus_tts_plugin.server.serve import ServerThread, engine_config
-from orpheus_tts_plugin.tools.testmodel import write_lora_adapter
 from tests.server.harness import assert_same_audio, engine_of, http, pcm_of, serving
 
 TEXT = "Hello there."
@@ -22,24 +22,8 @@ SAMPLING = {"seed": 3, "max_tokens": 49}
 
 
 @pytest.fixture(scope="module")
-def adapter_dir(test_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("adapter") / "x"
-    write_lora_adapter(test_model_dir / "orpheus", out, seed=1)
-    return out
-
-
-@pytest.fixture(scope="module")
-def lora_served(test_model_dir: Path, adapter_dir: Path) -> Iterator[ServerThread]:
-    config = EngineConfig(
-        model=str(test_model_dir / "orpheus"),
-        backend="hf",
-        snac=str(test_model_dir / "snac"),
-        device="cpu",
-        max_seq_len=512,
-        adapters={"x": str(adapter_dir)},
-        adapter_voices={"maya": "x"},
-    )
-    with serving(config) as srv:
+def lora_served(hf_lora_config: EngineConfig) -> Iterator[ServerThread]:
+    with serving(replace(hf_lora_config, max_seq_len=512)) as srv:
         yield srv
 
 
@@ -77,9 +61,19 @@ def test_the_http_endpoint_takes_an_adapter_field(lora_served: ServerThread) -> 
     assert status == 400 and "adapter must be a string" in json.loads(error)["error"]["message"]
 
 
-def test_serve_flags_name_adapters_and_fine_tuned_voices(adapter_dir: Path) -> None:
-    args = ["serve", "--backend", "hf", "--model", "m", "--adapter", f"x={adapter_dir}", "--adapter-voice", "maya=x"]
+def test_serve_flags_name_adapters_and_fine_tuned_voices(lora_adapter_dir: Path) -> None:
+    args = [
+        "serve",
+        "--backend",
+        "hf",
+        "--model",
+        "m",
+        "--adapter",
+        f"x={lora_adapter_dir}",
+        "--adapter-voice",
+        "maya=x",
+    ]
     config = engine_config(build_parser().parse_args(args))
-    assert config.adapters == (("x", str(adapter_dir)),) and config.adapter_voices == (("maya", "x"),)
+    assert config.adapters == (("x", str(lora_adapter_dir)),) and config.adapter_voices == (("maya", "x"),)
     with pytest.raises(ValueError, match="--adapter takes KEY=VALUE, got 'x'"):
         engine_config(build_parser().parse_args(["serve", "--adapter", "x"]))

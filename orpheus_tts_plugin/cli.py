@@ -138,6 +138,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     back.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
     back.add_argument("--json", default=None)
     back.set_defaults(**_handler("tools.bench.backend:main"))
+    from .tools.bench import lora as bench_lora
+
+    _add_owned(what, "lora", "tokens/s of the hf step with LoRA adapters configured and used", bench_lora, "main")
     eng_help = "TTFB, underruns and real-time capacity of the engine under traffic"
     _add_owned(what, "engine", eng_help, bench_engine, "main")
 

@@ -167,3 +167,30 @@ def test_make_test_model_command_takes_a_head_dim() -> None:
 def test_odd_or_non_integer_head_dim_is_refused(tmp_path: Path, head_dim) -> None:
     with pytest.raises(ValueError, match="head_dim"):
         make_test_model(tmp_path, snac="tiny", head_dim=head_dim)
+
+
+def test_make_test_model_adapter_writes_a_peft_lora_adapter(tmp_path: Path) -> None:
+    """`make-test-model DIR --adapter ADIR`: PEFT's files, key names and shapes; random A and B (B not zero)."""
+    from safetensors import safe_open
+
+    from orpheus_tts_plugin.cli import main
+
+    assert main(["make-test-model", str(tmp_path / "m"), "--snac", "tiny", "--adapter", str(tmp_path / "a")]) == 0
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["task_type"]) == (
+        "LORA",
+        8,
+        16.0,
+        "CAUSAL_LM",
+    )
+    assert config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    assert config["base_model_name_or_path"] == str(tmp_path / "m" / "orpheus")
+    with safe_open(str(tmp_path / "a" / "adapter_model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert len(keys) == 2 * 7 * 2  # A and B of 7 Linears in each of 2 layers
+        a = f.get_tensor("base_model.model.model.layers.1.self_attn.k_proj.lora_A.weight")
+        b = f.get_tensor("base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight")
+    assert a.shape == (8, 64) and b.shape == (64, 8)  # k_proj: 2 KV heads of 32 from hidden 64
+    assert b.abs().min() > 0 and torch.isfinite(a).all() and torch.isfinite(b).all()

@@ -34,8 +34,15 @@ def prompt_ids(row: int) -> tuple[int, ...]:
     return (ENGLISH.start_of_human, ENGLISH.bos, *text, *ENGLISH.prompt_suffix())
 
 
-def time_steps(backend: Any, batch: int, steps: int, sync: Callable[[], None]) -> dict[str, float]:
-    """Admit `batch` requests, warm up, time `steps` decode steps on this thread, release them."""
+def time_steps(
+    backend: Any,
+    batch: int,
+    steps: int,
+    sync: Callable[[], None],
+    adapter_of: Callable[[int], str | None] | None = None,
+) -> dict[str, float]:
+    """Admit `batch` requests (row i spoken by LoRA adapter `adapter_of(i)`, if given), warm up, time `steps`
+    decode steps on this thread, release them."""
     from ...backends.protocol import GenerationRequest
 
     rows = []
@@ -47,6 +54,7 @@ def time_steps(backend: Any, batch: int, steps: int, sync: Callable[[], None]) -
             max_new_tokens=10**6,
             stop_ids=(ENGLISH.end_of_speech,),
             constrain_audio=True,
+            adapter=adapter_of(i) if adapter_of is not None else None,
         )
         rows.append(backend._admit(req))
     try:

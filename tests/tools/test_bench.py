@@ -217,3 +217,14 @@ def test_gpu_script_smoke_mode(tmp_path: Path, test_model_dir: Path, run_script:
     assert all(r["tokens28_p50_ms"] > 0 for r in backend)
     assert [p["concurrency"] for p in result["engine"]["points"]] == [1.0, 2.0]
     assert "constant" in result["engine"]["capacity"]
+
+
+def test_bench_lora_times_no_adapter_and_two_adapters_all_base_and_half_used(tmp_path: Path, test_model_dir: Path):
+    out = tmp_path / "lora.json"
+    model = str(test_model_dir / "orpheus")
+    assert cli(["bench", "lora", "--model", model, "--batch", "1,2", "--steps", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["bench"] == "lora" and sorted(result["adapters"]) == ["a", "b"] and result["rank"] == 16
+    for point in result["batch"].values():
+        assert set(point) == {"none", "lora-base", "lora-half"}
+        assert all(p["tokens_per_s"] > 0 and len(p["rounds_tokens_per_s"]) == 3 for p in point.values())

@@ -34,7 +34,7 @@ def write_lora_adapter(
 ) -> Path:
     """A random PEFT LoRA adapter of the checkpoint in `model_dir`, written to `out` (returned).
 
-    `scale` multiplies B, so that the adapter changes the model's tokens (the test model's weights are ~0.02).
+    `scale` multiplies B (std 0.2 · scale; A's is 1 / sqrt(in)).
     """
     from safetensors.torch import load_file, save_file
 
@@ -48,7 +48,7 @@ def write_lora_adapter(
             key = _module_key(layer, target)
             n_out, n_in = base[f"{key}.weight"].shape
             a = torch.randn(r, n_in, generator=gen) / n_in**0.5
-            b = torch.randn(n_out, r, generator=gen) * 0.05 * scale
+            b = torch.randn(n_out, r, generator=gen) * 0.2 * scale
             tensors[f"base_model.model.{key}.lora_A.weight"] = a.contiguous()
             tensors[f"base_model.model.{key}.lora_B.weight"] = b.contiguous()
     out.mkdir(parents=True, exist_ok=True)

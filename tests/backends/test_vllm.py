@@ -646,9 +646,17 @@ def _weights(model: Path) -> None:
 async def test_adapters_start_vllm_with_lora_sized_to_them(fake_vllm, plain, adapters) -> None:
     backend, engine = await started(plain, adapters=sorted(adapters.items()))
     a = engine.engine_args
-    # max_lora_rank: the largest r (24) rounded up to a rank vLLM takes (32); every adapter fits in one batch.
-    assert (a.enable_lora, a.max_loras, a.max_lora_rank, a.max_cpu_loras) == (True, 2, 32, None)
+    # max_lora_rank: the largest r (24) rounded up to a rank vLLM takes (32); every adapter fits in one batch, and
+    # on the CPU build one spare slot stays empty (VllmBackend.lora_slots: a base row's index -1 picks the last).
+    assert (a.enable_lora, a.max_loras, a.max_lora_rank, a.max_cpu_loras) == (True, 3, 32, None)
     assert {n: (x.int_id, x.rank) for n, x in backend.loras.items()} == {"bright": (1, 24), "calm": (2, 8)}
+    await backend.close()
+
+
+async def test_on_a_gpu_there_is_one_slot_per_adapter(fake_vllm, plain, adapters) -> None:
+    fake_vllm.modules["vllm.platforms"].current_platform = FakePlatform("cuda", 90)
+    backend, engine = await started(plain, quantization=None, adapters=sorted(adapters.items()))
+    assert (engine.engine_args.enable_lora, engine.engine_args.max_loras) == (True, 2)
     await backend.close()
 
 

@@ -821,3 +821,11 @@ def test_upstream_drops_a_lora_request_silently_without_a_lora_config(trt, model
     assert result.request.lora_task is None and llm.loaded_loras == {}
     with pytest.raises(ValueError, match="does not exist"):
         LoRARequest("x", 1, str(Path(adapters[0][1]) / "nowhere"))
+
+
+def test_make_backend_hands_the_configs_adapters_to_the_trtllm_backend(trt, model, adapters) -> None:
+    from orpheus_tts_plugin.backends import make_backend
+    from orpheus_tts_plugin.config import EngineConfig
+
+    config = EngineConfig(model=model, backend="trtllm", adapters=dict(adapters))
+    assert make_backend(config, SPEC, "cuda").adapters == tuple(sorted(adapters))

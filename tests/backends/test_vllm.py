@@ -738,3 +738,11 @@ def test_vllm_max_lora_rank_is_the_smallest_allowed_rank_that_holds_the_largest_
     assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
     with pytest.raises(ValueError, match="rank 1024 is above vLLM's largest max_lora_rank \\(512\\)"):
         vllm_lora_rank(1024)
+
+
+def test_make_backend_hands_the_configs_adapters_to_the_vllm_backend(fake_vllm, plain, adapters) -> None:
+    from orpheus_tts_plugin.backends import make_backend
+    from orpheus_tts_plugin.config import EngineConfig
+
+    config = EngineConfig(model=plain, backend="vllm", adapters=adapters)
+    assert make_backend(config, SPEC, "cpu").adapters == tuple(sorted(adapters.items()))

@@ -52,12 +52,16 @@ def make_backend(config: EngineConfig, spec: ModelSpec, device: str) -> TokenBac
     if name == "trtllm":
         from .trtllm import TrtllmBackend
 
+        if config.adapters:
+            options.setdefault("adapters", config.adapters)
         return TrtllmBackend(
             config.model, spec=spec, max_batch_size=config.batch_size, max_seq_len=config.max_seq_len, **options
         )
     if name == "vllm":
         from .vllm import VllmBackend
 
+        if config.adapters:
+            options.setdefault("adapters", config.adapters)
         return VllmBackend(
             config.model,
             spec=spec,

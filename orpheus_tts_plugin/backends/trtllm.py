@@ -10,6 +10,11 @@ seeds in its kernels, the bias copied once per request into its slot). From 1.3 
 and TRTLLMSampler is gone, so TorchSampler it is, with seeds that upstream says work only for a request sampled
 alone. A release with neither is refused (see `import_trtllm`).
 
+LoRA adapters (`adapters`, EngineConfig.adapters): `LLM(lora_config=LoraConfig(lora_dir=[every folder], max_lora_rank,
+max_loras, max_cpu_loras))` and `generate_async(..., lora_request=LoRARequest(name, id, folder))` per request, the
+PyTorch backend's multi-LoRA path (upstream docs/source/features/lora.md); written against upstream, run only on the
+stand-in.
+
 Audio constraint: the per-frame-position logits processor (trtllm_logits.py) where its per-step host cost at the
 configured batch is small or no larger than the union mask's, else the union of all audio ids as one embedding bias.
 """
@@ -24,6 +29,7 @@ from typing import Any
 
 from ..spec import ENGLISH, ModelSpec
 from .checkpoint import checkpoint_json, checkpoint_quantization
+from .lora_adapters import LoraAdapter, adapter_of, read_adapters
 from .protocol import BackendError, FinishReason, GenerationRequest, check_loop
 from .pumped import PumpedStream, RequestCounts
 from .trtllm_lines import TORCH_SAMPLER, TRTLLM_SAMPLER, TrtllmLine, detect, version_tuple
@@ -80,6 +86,17 @@ def import_trtllm(need_sampler: bool = True) -> SimpleNamespace:
     return SimpleNamespace(
         LLM=LLM, SamplingParams=SamplingParams, KvCacheConfig=KvCacheConfig, CudaGraphConfig=CudaGraphConfig, line=line
     )
+
+
+def import_trtllm_lora() -> SimpleNamespace:
+    """TensorRT-LLM's LoRA classes: `LoraConfig` (lora_manager.py, defined in lora_helper.py from 1.0) and
+    `LoRARequest` (executor/request.py), where upstream's LoRA guide imports them."""
+    try:
+        from tensorrt_llm.executor.request import LoRARequest
+        from tensorrt_llm.lora_manager import LoraConfig
+    except ImportError as exc:
+        raise ImportError(f"this TensorRT-LLM has no LoRA API (LoraConfig, LoRARequest): {exc}") from exc
+    return SimpleNamespace(LoraConfig=LoraConfig, LoRARequest=LoRARequest)
 
 
 def constraint_cost_ms(kind: str, rows: int, vocab_size: int, sampler: str) -> float:
@@ -147,6 +164,7 @@ class TrtllmBackend:
         vocab_size: int | None = None,
         skip_tokenizer_init: bool = True,
         llm_kwargs: dict[str, Any] | None = None,
+        adapters: Sequence[tuple[str, str]] = (),
     ):
         self.llm_kwargs = dict(llm_kwargs or {})
         self._t = import_trtllm(need_sampler="sampler_type" not in self.llm_kwargs)
@@ -179,6 +197,9 @@ class TrtllmBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bias: Any = None
         self._requests = RequestCounts(pausable=True)
+        self.adapters = tuple(sorted(adapters))  # (name, PEFT folder or hub id): EngineConfig.adapters
+        self.loras: dict[str, LoraAdapter] = {}  # read at start: name -> folder, id, rank
+        self._lora_requests: dict[str, Any] = {}  # name -> its LoRARequest, one object for every request
 
     def resolved_kv_cache_dtype(self) -> str:
         """`kv_cache_dtype`, else "auto" for a checkpoint with a calibrated KV cache (or unknown), else "fp8"."""
@@ -221,8 +242,27 @@ class TrtllmBackend:
         }
         if self.sampler == TRTLLM_SAMPLER:
             args["sampler_type"] = TRTLLM_SAMPLER  # >= 1.3 rejects the name; "auto" (the default) is TorchSampler
+        if self.loras:
+            args["lora_config"] = self.lora_config()
         args.update(self.llm_kwargs)
         return args
+
+    def lora_config(self) -> Any:
+        """`LoraConfig` of the adapters: every folder in `lora_dir` (upstream reads their target modules from it),
+        the largest rank, and room for all of them on the GPU (`max_loras`) and in host memory (`max_cpu_loras`)."""
+        lora = import_trtllm_lora()
+        adapters = list(self.loras.values())
+        return lora.LoraConfig(
+            lora_dir=[a.path for a in adapters],
+            max_lora_rank=max(a.rank for a in adapters),
+            max_loras=len(adapters),
+            max_cpu_loras=len(adapters),
+        )
+
+    def lora_request(self, req: GenerationRequest) -> Any:
+        """The `LoRARequest` of `req`'s adapter (a continuation keeps its request's), None for the base model."""
+        adapter = adapter_of(self.loras, req, self.name)
+        return None if adapter is None else self._lora_requests[adapter.name]
 
     def sampling_params(self, req: GenerationRequest, audio_offset: int = 0) -> Any:
         """The `tensorrt_llm.SamplingParams` of one request: ids out only, end at end of speech.
@@ -260,6 +300,12 @@ class TrtllmBackend:
         if self.audio_constraint == "union":
             vocab = self.vocab_size or read_vocab_size(self.model) or self.spec.vocab_size
             self._bias = audio_bias(self.spec, vocab)  # one tensor for every constrained request
+        self.loras = await asyncio.to_thread(read_adapters, self.adapters)
+        if self.loras:
+            # Upstream takes any int id, 0 included, and loads an adapter once per id (its worker's
+            # _load_lora_adapter keys the PEFT cache by str(id)): ids 1, 2, ... fixed for the backend's life.
+            lora = import_trtllm_lora()
+            self._lora_requests = {name: lora.LoRARequest(name, a.int_id, a.path) for name, a in self.loras.items()}
         self._llm = await asyncio.to_thread(self._t.LLM, **self.llm_args())
         cost = self.constraint_ms_per_step()
         level = logging.WARNING if cost > CONSTRAINT_BUDGET_MS else logging.INFO
@@ -276,6 +322,7 @@ class TrtllmBackend:
 
     def generate(self, req: GenerationRequest) -> TrtllmStream:
         check_loop(self._loop if self._llm is not None else None, self.name)
+        adapter_of(self.loras, req, self.name)  # an unknown adapter is the caller's error, not trtllm's
         try:
             result = self._submit(req)
         except Exception as exc:  # a rejected request must not take the engine down
@@ -289,7 +336,8 @@ class TrtllmBackend:
         if self._llm is None:
             raise BackendError(f"{self.name} backend is closed")
         params = self.sampling_params(req, audio_offset)
-        return self._llm.generate_async(list(req.prompt_ids), sampling_params=params, streaming=True)
+        lora = self.lora_request(req)
+        return self._llm.generate_async(list(req.prompt_ids), sampling_params=params, lora_request=lora, streaming=True)
 
     def stats(self) -> dict[str, Any]:
         return self._requests.stats(

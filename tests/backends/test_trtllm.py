@@ -702,3 +702,130 @@ def test_quantize_to_the_trtllm_format_goes_on_with_1_2_or_no_tensorrt_llm(insta
     monkeypatch.setattr(q, "import_modelopt", stop)
     with pytest.raises(ImportError, match="past the format check"):
         q.quantize("unused", tmp_path, fmt="trtllm")
+
+
+# ---- LoRA adapters (the PyTorch backend's multi-LoRA path) ----
+
+
+def peft_folder(path: Path, r: int) -> str:
+    """A PEFT LoRA folder as the backend reads it at start (the stand-in's toy LoRA needs no weights)."""
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 16}))
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return str(path)
+
+
+@pytest.fixture
+def adapters(tmp_path: Path) -> list[tuple[str, str]]:
+    return [("calm", peft_folder(tmp_path / "calm", 8)), ("bright", peft_folder(tmp_path / "bright", 24))]
+
+
+def with_adapter(req: GenerationRequest, adapter: str | None) -> GenerationRequest:
+    from dataclasses import replace
+
+    return replace(req, adapter=adapter)
+
+
+async def run_together(llm: LLM, streams: list) -> list[list[int]]:
+    """All ids of `streams`, run in the same executor iterations until every one has ended."""
+    tasks = [asyncio.create_task(_collect(s)) for s in streams]
+    for _ in range(2000):
+        if all(t.done() for t in tasks):
+            break
+        llm.iterate()
+        await settle()
+    return [[i for ids in t.result() for i in ids] for t in tasks]
+
+
+async def test_adapters_build_the_llm_with_a_lora_config_holding_all_of_them(trt, model, adapters) -> None:
+    from tests.trtllm_standin import LoraConfig
+
+    backend, llm = await started(model, adapters=adapters)
+    folders = {name: str(Path(path).resolve()) for name, path in adapters}
+    # lora_dir in name order (ids 1, 2); the largest rank; every adapter on the GPU and in host memory at once.
+    assert llm.kwargs["lora_config"] == LoraConfig(
+        lora_dir=[folders["bright"], folders["calm"]], max_lora_rank=24, max_loras=2, max_cpu_loras=2
+    )
+    assert {n: (a.int_id, a.rank) for n, a in backend.loras.items()} == {"bright": (1, 24), "calm": (2, 8)}
+
+
+async def test_without_adapters_no_lora_config_is_sent(trt, model) -> None:
+    backend, llm = await started(model)
+    assert "lora_config" not in llm.kwargs and backend.loras == {}
+
+
+async def test_each_request_carries_its_adapters_lora_request_in_one_batch_with_base_rows(trt, model, adapters):
+    from tests.trtllm_standin import LoRARequest
+
+    backend, llm = await started(model, adapters=adapters, max_batch_size=8)
+    rows = [None, "calm", "bright", "calm"]
+    streams = [backend.generate(with_adapter(request(f"r{i}", temperature=0.0), a)) for i, a in enumerate(rows)]
+    together = await run_together(llm, streams)
+    assert "lora_request" not in llm.calls[0]
+    folders = dict(adapters)
+    assert llm.calls[1]["lora_request"] == LoRARequest("calm", 2, str(Path(folders["calm"]).resolve()))
+    assert llm.calls[2]["lora_request"] == LoRARequest("bright", 1, str(Path(folders["bright"]).resolve()))
+    assert llm.calls[1]["lora_request"] is llm.calls[3]["lora_request"]  # one object per adapter
+    assert sorted(llm.loaded_loras) == ["1", "2"]
+    # Each row of the mixed batch makes the ids it makes alone (the stand-in's toy LoRA moves the logits' peak).
+    for adapter, ids in zip(rows, together, strict=True):
+        alone = await run_together(llm, [backend.generate(with_adapter(request("alone", temperature=0.0), adapter))])
+        assert ids == alone[0] and len(ids) > TOKENS_PER_FRAME
+    assert together[0] != together[1] and together[0] != together[2] and together[1] != together[2]
+    assert together[1] == together[3]
+
+
+async def test_a_resumed_adapter_stream_keeps_its_adapter_and_gives_the_ids_of_one_never_paused(
+    trt, model, adapters
+) -> None:
+    backend, llm = await started(model, adapters=adapters, max_batch_size=8)
+    whole = await to_the_end(backend.generate(with_adapter(request("whole", temperature=0.0), "bright")), llm)
+    stream = backend.generate(with_adapter(request("paused", temperature=0.0), "bright"))
+    ids = await take(stream, 10, llm)
+    stream.pause(True)
+    await settle()
+    llm.iterate()
+    stream.pause(False)
+    await settle()
+    assert llm.calls[-1]["lora_request"] is llm.calls[0]["lora_request"]
+    ids += await to_the_end(stream, llm)
+    assert ids == whole and stream.attempt.adapter == "bright"
+
+
+async def test_a_request_for_an_adapter_the_backend_was_not_started_with_is_refused(trt, model, adapters) -> None:
+    backend, llm = await started(model, adapters=adapters[:1])
+    with pytest.raises(BackendError, match="unknown LoRA adapter 'bright'.*serves: calm"):
+        backend.generate(with_adapter(request(), "bright"))
+    assert llm.calls == [] and backend.stats()["requests"] == 0
+
+
+async def test_a_folder_that_is_not_a_peft_lora_is_refused_before_the_llm_is_built(trt, model, tmp_path) -> None:
+    from orpheus_tts_plugin.backends.trtllm import TrtllmBackend
+
+    (tmp_path / "ia3").mkdir()
+    (tmp_path / "ia3" / "adapter_config.json").write_text(json.dumps({"peft_type": "IA3"}))
+    for folder, message in [("missing", "is not a folder"), ("ia3", "is not a LoRA \\(peft_type 'IA3'")]:
+        backend = TrtllmBackend(model, adapters=[("x", str(tmp_path / folder))])
+        with pytest.raises(ValueError, match=message):
+            await backend.start()
+    assert LLM.instances == []
+
+
+def test_upstream_drops_a_lora_request_silently_without_a_lora_config(trt, model, adapters) -> None:
+    """Why the backend always builds the LLM with lora_config: without one, base_worker._enqueue_request ignores
+    lora_request and the base model answers; and LoRARequest checks its path exists at construction, any id goes."""
+    from tests.trtllm_standin import LoRARequest
+
+    llm = trt.LLM(model)
+    result = llm.generate_async([1, 2, 3], trt.SamplingParams(), lora_request=LoRARequest("calm", 0, adapters[0][1]))
+    assert result.request.lora_task is None and llm.loaded_loras == {}
+    with pytest.raises(ValueError, match="does not exist"):
+        LoRARequest("x", 1, str(Path(adapters[0][1]) / "nowhere"))
+
+
+def test_make_backend_hands_the_configs_adapters_to_the_trtllm_backend(trt, model, adapters) -> None:
+    from orpheus_tts_plugin.backends import make_backend
+    from orpheus_tts_plugin.config import EngineConfig
+
+    config = EngineConfig(model=model, backend="trtllm", adapters=dict(adapters))
+    assert make_backend(config, SPEC, "cuda").adapters == tuple(sorted(adapters))

@@ -15,7 +15,7 @@ import threading
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 import pytest
 
@@ -23,6 +23,7 @@ from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, Gen
 from orpheus_tts_plugin.backends.pumped import continuation_seed
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
+from tests.lora import write_lora_adapter
 
 SPEC = ENGLISH
 AUDIO = [SPEC.audio_token(0, 1), SPEC.audio_token(1, 2), SPEC.audio_token(2, 3), SPEC.audio_token(3, 4)]
@@ -76,6 +77,27 @@ class FakeEngineArgs:
     disable_log_stats: bool = False
     enforce_eager: bool = False
     logits_processors: list[Any] | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+
+MaxLoRARanks = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]  # vllm/config/lora.py (0.32)
+
+
+@dataclass
+class FakeLoRARequest:
+    """Like vllm/lora/request.py LoRARequest: a positive id and a path (its __post_init__ checks both)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {self.lora_int_id}")
+        assert self.lora_path, "lora_path cannot be empty"
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -122,6 +144,7 @@ class FakeRequestOutput:
 class FakeRequest:
     prompt: Any
     params: FakeSamplingParams
+    lora_request: FakeLoRARequest | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     internal_aborts: int = 0
 
@@ -144,9 +167,18 @@ class FakeAsyncLLM:
         assert isinstance(engine_args, FakeEngineArgs)
         return cls(engine_args)
 
-    async def generate(self, prompt: Any, sampling_params: FakeSamplingParams, request_id: str, **kwargs: Any):
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: FakeSamplingParams,
+        request_id: str,
+        *,
+        lora_request: FakeLoRARequest | None = None,
+        **kwargs: Any,
+    ):
         """Like v1/engine/async_llm.py AsyncLLM.generate: cancellation or aclose aborts internally."""
-        req = FakeRequest(prompt, sampling_params)
+        assert lora_request is None or self.engine_args.enable_lora  # vLLM: "LoRA is not enabled!"
+        req = FakeRequest(prompt, sampling_params, lora_request)
         self.requests[request_id] = req
         self.live.add(request_id)
         try:
@@ -194,6 +226,10 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
         "vllm": root,
         "vllm.sampling_params": types.ModuleType("vllm.sampling_params"),
         "vllm.inputs": types.ModuleType("vllm.inputs"),
+        "vllm.lora": types.ModuleType("vllm.lora"),
+        "vllm.lora.request": types.ModuleType("vllm.lora.request"),
+        "vllm.config": types.ModuleType("vllm.config"),
+        "vllm.config.lora": types.ModuleType("vllm.config.lora"),
         "vllm.platforms": types.ModuleType("vllm.platforms"),
         "vllm.v1": types.ModuleType("vllm.v1"),
         "vllm.v1.engine": types.ModuleType("vllm.v1.engine"),
@@ -204,6 +240,8 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
     }
     modules["vllm.sampling_params"].RequestOutputKind = RequestOutputKind
     modules["vllm.inputs"].tokens_input = tokens_input
+    modules["vllm.lora.request"].LoRARequest = FakeLoRARequest
+    modules["vllm.config.lora"].MaxLoRARanks = MaxLoRARanks
     modules["vllm.platforms"].current_platform = platform
     modules["vllm.v1.engine.async_llm"].AsyncLLM = FakeAsyncLLM
     quant = modules["vllm.model_executor.layers.quantization"]
@@ -578,3 +616,133 @@ async def test_close_aborts_live_requests_then_shuts_vllm_down_off_the_loop(fake
     assert [s.finish_reason for s in streams] == [FinishReason.STOP, FinishReason.ABORTED, FinishReason.ABORTED]
     await backend.close()  # twice: nothing more
     assert len(engine.shutdown_calls) == 1
+
+
+# ---- LoRA adapters ----
+
+
+@pytest.fixture
+def adapters(tmp_path: Path, plain: str) -> dict[str, str]:
+    """Two PEFT LoRA folders of ranks 8 and 24, by name."""
+    model = Path(plain)
+    _weights(model)
+    return {
+        "calm": str(write_lora_adapter(model, tmp_path / "calm", r=8)),
+        "bright": str(write_lora_adapter(model, tmp_path / "bright", r=24, seed=1)),
+    }
+
+
+def _weights(model: Path) -> None:
+    """A one-layer model.safetensors for `write_lora_adapter` to size its matrices from."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    names = ["self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj"]
+    save_file({f"model.layers.0.{n}.weight": torch.zeros(8, 8) for n in names}, model / "model.safetensors")
+
+
+async def test_adapters_start_vllm_with_lora_sized_to_them(fake_vllm, plain, adapters) -> None:
+    backend, engine = await started(plain, adapters=sorted(adapters.items()))
+    a = engine.engine_args
+    # max_lora_rank: the largest r (24) rounded up to a rank vLLM takes (32); every adapter fits in one batch, and
+    # on the CPU build one spare slot stays empty (VllmBackend.lora_slots: a base row's index -1 picks the last).
+    assert (a.enable_lora, a.max_loras, a.max_lora_rank, a.max_cpu_loras) == (True, 3, 32, None)
+    assert {n: (x.int_id, x.rank) for n, x in backend.loras.items()} == {"bright": (1, 24), "calm": (2, 8)}
+    await backend.close()
+
+
+async def test_on_a_gpu_there_is_one_slot_per_adapter(fake_vllm, plain, adapters) -> None:
+    fake_vllm.modules["vllm.platforms"].current_platform = FakePlatform("cuda", 90)
+    backend, engine = await started(plain, quantization=None, adapters=sorted(adapters.items()))
+    assert (engine.engine_args.enable_lora, engine.engine_args.max_loras) == (True, 2)
+    await backend.close()
+
+
+async def test_without_adapters_lora_stays_off(fake_vllm, plain) -> None:
+    backend, engine = await started(plain)
+    assert (engine.engine_args.enable_lora, backend.loras) == (False, {})
+    await backend.close()
+
+
+async def test_each_request_carries_its_adapters_lora_request_and_a_continuation_keeps_it(
+    fake_vllm, plain, adapters
+) -> None:
+    from dataclasses import replace
+
+    backend, engine = await started(plain, adapters=sorted(adapters.items()))
+    streams = [backend.generate(replace(request(rid), adapter=a)) for rid, a in [("b", None), ("c", "calm")]]
+    streams.append(backend.generate(replace(request("br"), adapter="bright")))
+    await settle()
+    loras = {rid: engine.requests[rid].lora_request for rid in ("b", "c", "br")}
+    assert loras["b"] is None
+    assert loras["c"] == FakeLoRARequest("calm", 2, str(Path(adapters["calm"]).resolve()))
+    assert loras["br"] == FakeLoRARequest("bright", 1, str(Path(adapters["bright"]).resolve()))
+    engine.step("c", AUDIO[:2])
+    assert await streams[1].__anext__() == AUDIO[:2]
+    streams[1].pause(True)
+    await settle()
+    streams[1].pause(False)
+    await settle()
+    assert engine.requests["c~1"].lora_request is loras["c"]
+    await backend.close()
+
+
+async def test_a_request_for_an_adapter_the_backend_was_not_started_with_is_refused(fake_vllm, plain, adapters) -> None:
+    from dataclasses import replace
+
+    backend, engine = await started(plain, adapters=[("calm", adapters["calm"])])
+    with pytest.raises(BackendError, match="unknown LoRA adapter 'bright'.*serves: calm"):
+        backend.generate(replace(request(), adapter="bright"))
+    assert engine.requests == {}
+    await backend.close()
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing", "LoRA adapter 'x': .*missing is not a folder"),
+        ("empty", "has no adapter_config.json"),
+        ("prefix", "is not a LoRA \\(peft_type 'PREFIX_TUNING'"),
+        ("rank", "has no rank \\(r: 0"),
+        ("weights", "has no weights"),
+    ],
+)
+async def test_a_folder_that_is_not_a_peft_lora_is_refused_in_one_line_before_vllm_starts(
+    fake_vllm, plain, tmp_path, setup: str, message: str
+) -> None:
+    from orpheus_tts_plugin.backends.vllm import VllmBackend
+
+    folder = tmp_path / setup
+    if setup != "missing":
+        folder.mkdir()
+    config = {"peft_type": "LORA", "r": 8}
+    if setup == "prefix":
+        config["peft_type"] = "PREFIX_TUNING"
+    if setup == "rank":
+        config["r"] = 0
+    if setup not in ("missing", "empty"):
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+    if setup in ("prefix", "rank"):
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+    backend = VllmBackend(plain, adapters=[("x", str(folder))])
+    with pytest.raises(ValueError, match=message) as err:
+        await backend.start()
+    assert "\n" not in str(err.value) and FakeAsyncLLM.instances == []
+
+
+def test_vllm_max_lora_rank_is_the_smallest_allowed_rank_that_holds_the_largest_adapter(fake_vllm) -> None:
+    from orpheus_tts_plugin.backends.vllm import vllm_lora_rank
+
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
+    with pytest.raises(ValueError, match="rank 1024 is above vLLM's largest max_lora_rank \\(512\\)"):
+        vllm_lora_rank(1024)
+
+
+def test_make_backend_hands_the_configs_adapters_to_the_vllm_backend(fake_vllm, plain, adapters) -> None:
+    from orpheus_tts_plugin.backends import make_backend
+    from orpheus_tts_plugin.config import EngineConfig
+
+    config = EngineConfig(model=plain, backend="vllm", adapters=adapters)
+    assert make_backend(config, SPEC, "cpu").adapters == tuple(sorted(adapters.items()))

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from .api import LLM, CudaGraphConfig, KvCacheConfig, SamplingParams
+from .api import LLM, CudaGraphConfig, KvCacheConfig, LoraConfig, LoRARequest, SamplingParams
 from .line12 import LLM12, SamplerType
 from .line13 import LLM13, LLM13rc, PenaltyHandler, SeedManager
 
-__all__ = ["LINES", "LLM", "CudaGraphConfig", "KvCacheConfig", "SamplerType", "install"]
+__all__ = ["LINES", "LLM", "CudaGraphConfig", "KvCacheConfig", "LoRARequest", "LoraConfig", "SamplerType", "install"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,11 @@ def install(monkeypatch: pytest.MonkeyPatch, line: str) -> types.ModuleType:
     if spec.sampler_type is not None:
         llm_args.SamplerType = spec.sampler_type
     root.llmapi, llmapi.llm_args = llmapi, llm_args
+    # LoRA, where upstream's guide (docs/source/features/lora.md) imports it from, in both lines.
+    root.lora_helper = _module(monkeypatch, "tensorrt_llm.lora_helper", LoraConfig=LoraConfig)
+    root.lora_manager = _module(monkeypatch, "tensorrt_llm.lora_manager", LoraConfig=LoraConfig)
+    root.executor = _module(monkeypatch, "tensorrt_llm.executor")
+    root.executor.request = _module(monkeypatch, "tensorrt_llm.executor.request", LoRARequest=LoRARequest)
     if spec.builder:
         root.builder = _module(monkeypatch, "tensorrt_llm.builder", Builder=type("Builder", (), {}))
     if spec.torch_sampler_modules:

@@ -14,6 +14,16 @@ executor/result.py, py_executor.py and the decoder runner of main, late 2026):
     row of a request with processors (every context chunk, then every generation step), after `inspect.signature(lp)`
     is checked again, with `[request.get_tokens(0)]` (a full copy of the history); with the overlap scheduler (on
     unless `disable_overlap_scheduler=True`) that history lacks the token sampled in the previous step (#16785).
+  * LoRA, the PyTorch backend's multi-LoRA path (docs/source/features/lora.md): `lora_helper.py` LoraConfig (a
+    dataclass: lora_dir, lora_ckpt_source, max_lora_rank, lora_target_modules, trtllm_modules_to_hf_modules,
+    max_loras, max_cpu_loras, lora_weights_converters; `__post_init__` asserts the source is "hf" or "nemo"),
+    re-exported by `lora_manager.py`; `executor/request.py` LoRARequest(lora_name, lora_int_id, lora_path,
+    lora_ckpt_source) whose `__post_init__` raises ValueError for a path that does not exist (in the caller's
+    process, at construction) and takes any int id, 0 included (upstream's own examples use 0); and
+    `executor/base_worker.py` `_enqueue_request` / `_load_lora_adapter`: only when the LLM has a LoRA manager (a
+    lora_config) is a request's lora_request used: without one it is dropped silently and the base model answers;
+    the adapter is loaded once per `str(lora_int_id)` (LoraManager.load_from_ckpt returns only newly loaded uids), so
+    a second path under a loaded id is never read.
 The sampler (which one, penalties, seeds, embedding bias) is each line's own: line12.py, line13.py.
 """
 
@@ -22,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +71,43 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
 
+@dataclass
+class LoraConfig:
+    lora_dir: list[str] = field(default_factory=list)
+    lora_ckpt_source: str = "hf"
+    max_lora_rank: int = 64
+    lora_target_modules: list[str] = field(default_factory=list)
+    trtllm_modules_to_hf_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
+    lora_weights_converters: list[str] = field(default_factory=lambda: ["default"])
+
+    def __post_init__(self) -> None:
+        assert self.lora_ckpt_source in ["hf", "nemo"], "lora_ckpt_source must be one of 'hf' or 'nemo'"
+
+
+@dataclass(slots=True)
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    lora_ckpt_source: str = "hf"
+
+    def __post_init__(self) -> None:
+        if self.lora_path is not None and not os.path.exists(self.lora_path):
+            raise ValueError(f"lora_path ({self.lora_path}) does not exist.")
+        if self.lora_ckpt_source not in ["hf", "nemo"]:
+            raise ValueError(f"lora_ckpt_source must be 'hf' or 'nemo', got '{self.lora_ckpt_source}'")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
 @dataclass(kw_only=True)
 class KvCacheConfig:
     enable_block_reuse: bool = True
@@ -90,8 +138,9 @@ class CompletionOutput:
 class Request:
     """The worker's side of one request (py_executor LlmRequest): its own params, tokens, slot and host history."""
 
-    def __init__(self, request_id: int, prompt: list[int], params: SamplingParams):
+    def __init__(self, request_id: int, prompt: list[int], params: SamplingParams, lora_task: int | None = None):
         self.request_id = request_id
+        self.lora_task = lora_task  # the LoRA task id (lora_int_id) the worker runs it with; None: the base model
         self.prompt = prompt
         self.params = params
         self.generated: list[int] = []
@@ -179,9 +228,18 @@ LLM_ARGS = {
     "dtype",
     "trust_remote_code",
     "tensor_parallel_size",
+    "lora_config",
 }
 
 _BASE_LOGITS: dict[int, torch.Tensor] = {}
+
+
+def lora_logits(logits: torch.Tensor, requests: list[Request], loaded: dict[str, str]) -> None:
+    """The toy model's LoRA: an adapter (by its folder's name) moves a row's peak up by that many ids, per row."""
+    for row, r in enumerate(requests):
+        if r.lora_task is not None:
+            shift = sum(map(ord, Path(loaded[str(r.lora_task)]).name)) % 97 + 1
+            logits[row] = torch.roll(logits[row], shift)
 
 
 def toy_logits(rows: int, vocab: int) -> torch.Tensor:
@@ -269,6 +327,10 @@ class LLM:
         self.host_bias_bytes_per_step: list[int] = []
         self.shut = False
         self._next_id = 0
+        lora = kwargs.get("lora_config")
+        assert lora is None or isinstance(lora, LoraConfig)
+        self.lora_config: LoraConfig | None = lora
+        self.loaded_loras: dict[str, str] = {}  # the worker's LoraManager: str(lora_int_id) -> the path loaded
         LLM.instances.append(self)
 
     def validate(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -290,14 +352,23 @@ class LLM:
         scheduling_params=None,
     ) -> GenerationResult:
         assert isinstance(sampling_params, SamplingParams)
-        self.calls.append({"inputs": inputs, "streaming": streaming})
+        assert lora_request is None or isinstance(lora_request, LoRARequest)
+        call = {"inputs": inputs, "streaming": streaming}
+        self.calls.append(call if lora_request is None else {**call, "lora_request": lora_request})
         self._next_id += 1
         worker_params = pickle.loads(pickle.dumps(sampling_params))  # proxy → worker: the worker's own copy
-        request = Request(self._next_id, list(inputs), worker_params)
+        request = Request(self._next_id, list(inputs), worker_params, self._lora_task(lora_request))
         result = GenerationResult(self, list(inputs), sampling_params, request)
         self.results.append(result)
         self.waiting.append(result)
         return result
+
+    def _lora_task(self, lora_request: LoRARequest | None) -> int | None:
+        """base_worker._enqueue_request: no LoRA manager (no lora_config), no LoRA; else load once per id."""
+        if self.lora_config is None or lora_request is None:
+            return None
+        self.loaded_loras.setdefault(str(lora_request.adapter_id), lora_request.path)
+        return lora_request.adapter_id
 
     def iterate(self) -> None:
         """One executor iteration: cancellations, admission, one sampled token per active request."""
@@ -313,6 +384,7 @@ class LLM:
             self.sampler.admit(r.request)
         requests = [r.request for r in self.active]
         logits = toy_logits(len(requests), self.vocab)
+        lora_logits(logits, requests, self.loaded_loras)
         run_logits_processors(requests, logits)  # every scheduled row, context chunks included
         rows = [i for i, r in enumerate(requests) if r.context_left <= 1]
         for r in requests:

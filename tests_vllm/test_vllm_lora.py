@@ -21,7 +21,8 @@ from orpheus_tts_plugin.backends.protocol import FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.vllm import VllmBackend, VllmStream
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
-from tests.lora import merge_lora_adapter, write_lora_adapter
+from orpheus_tts_plugin.tools.testmodel import write_lora_adapter
+from tests.lora import merge_lora_adapter
 
 SPEC = ENGLISH
 PROMPT = (SPEC.start_of_human, SPEC.bos, 300, 301, 302, 303, 304, 305, *SPEC.prompt_suffix())
@@ -74,8 +75,8 @@ def models(test_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Si
     """The test model, adapters a (r 8, alpha 16) and b (r 16, alpha 16), and each merged into the model."""
     out = tmp_path_factory.mktemp("lora")
     base = test_model_dir / "orpheus"
-    a = write_lora_adapter(base, out / "a", r=8, alpha=16, seed=1)
-    b = write_lora_adapter(base, out / "b", r=16, alpha=16, seed=2)
+    a = write_lora_adapter(base, out / "a", rank=8, alpha=16, seed=1)
+    b = write_lora_adapter(base, out / "b", rank=16, alpha=16, seed=2)
     merged = {name: merge_lora_adapter(base, path, out / f"merged-{name}") for name, path in (("a", a), ("b", b))}
     return SimpleNamespace(base=base, adapters={"a": a, "b": b}, merged=merged)
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..spec import CODEBOOK_SIZE, ENGLISH, TOKENS_PER_FRAME, ModelSpec
-from .lora import LoraSet, load_adapters
+from .hf_lora import LoraSet, load_adapters
 from .protocol import FinishReason, GenerationRequest
 from .sampling import penalize, sample, uniforms
 from .stepped import SteppedBackend

@@ -1,4 +1,4 @@
-"""LoRA adapters as the engines that batch them (vLLM, TensorRT-LLM) need them: a folder, a stable id, a rank.
+"""LoRA adapter folders as every backend that serves them reads them: a folder, a stable id, a rank, its config.
 
 `EngineConfig.adapters` names PEFT folders (or hub ids); each is read once at start: its adapter_config.json must be
 a PEFT LoRA (`peft_type` "LORA", an int `r` >= 1) next to its weights. A missing or invalid one is refused in one
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .protocol import BackendError, GenerationRequest
 
@@ -26,6 +27,7 @@ class LoraAdapter:
     int_id: int
     path: str
     rank: int
+    config: dict[str, Any] = field(default_factory=dict, compare=False)  # its adapter_config.json
 
 
 def local_folder(name: str, source: str, *, download: bool = True) -> Path:
@@ -61,7 +63,7 @@ def read_adapter(name: str, source: str, int_id: int, *, download: bool = True) 
         raise ValueError(f"LoRA adapter {name!r}: {config_path} has no rank (r: {rank!r}, not an int >= 1)")
     if not any((folder / f).is_file() for f in WEIGHT_FILES):
         raise ValueError(f"LoRA adapter {name!r}: {folder} has no weights ({' or '.join(WEIGHT_FILES)})")
-    return LoraAdapter(name, int_id, str(folder), rank)
+    return LoraAdapter(name, int_id, str(folder), rank, config)
 
 
 def read_adapters(adapters: Sequence[tuple[str, str]], *, download: bool = True) -> dict[str, LoraAdapter]:

@@ -258,8 +258,8 @@ def write_lora_adapter(
     seed: int = 1,
     targets: tuple[str, ...] = LORA_TARGETS,
     strength: float = 0.5,
-) -> None:
-    """A random LoRA adapter of the checkpoint in `model_dir`, written to `out` as PEFT saves one.
+) -> Path:
+    """A random LoRA adapter of the checkpoint in `model_dir`, written to `out` (returned) as PEFT saves one.
 
     `out/adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules, base_model_name_or_path) and
     `out/adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight` (r, in) and `...lora_B.weight`
@@ -315,6 +315,7 @@ def write_lora_adapter(
         "use_rslora": False,
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
 
 
 def make_test_model_main(args: argparse.Namespace) -> int:

@@ -15,37 +15,18 @@ import torch
 from safetensors.torch import load_file
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine
-from orpheus_tts_plugin.backends.lora import read_adapter
+from orpheus_tts_plugin.backends.hf_lora import read_adapter
 from orpheus_tts_plugin.backends.protocol import BackendError, GenerationRequest
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
 from orpheus_tts_plugin.tools.testmodel import make_test_model, write_lora_adapter
 from tests.backends.test_hf import collect, prompt, started
 from tests.backends.test_hf_prefix import reference_turn
+from tests.lora import merge_lora_adapter
 
 SPEC = ENGLISH
 GREEDY = SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.1)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=7)
-
-
-def merge(orpheus: Path, adapter: Path, out: Path) -> Path:
-    """A checkpoint like `orpheus` (tokenizer and all) whose weights are W + lora_alpha / r * B @ A of `adapter`:
-    computed here from the files, independently of the backend's LoRA path."""
-    from transformers import AutoModelForCausalLM
-
-    shutil.copytree(orpheus, out)
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    scale = config["lora_alpha"] / config["r"]
-    lora = load_file(str(adapter / "adapter_model.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(orpheus, dtype=torch.float32)
-    with torch.no_grad():
-        for key, a in lora.items():
-            if ".lora_A." in key:
-                module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-                b = lora[key.replace(".lora_A.", ".lora_B.")]
-                model.get_submodule(module).weight += scale * (b.double() @ a.double()).float()
-    model.save_pretrained(out, safe_serialization=True)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +38,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, seed in (("x", 1), ("y", 2)):
         dirs[name] = out / f"adapter-{name}"
         write_lora_adapter(dirs["base"], dirs[name], seed=seed)
-        dirs[f"merged-{name}"] = merge(dirs["base"], dirs[name], out / f"merged-{name}")
+        dirs[f"merged-{name}"] = merge_lora_adapter(dirs["base"], dirs[name], out / f"merged-{name}")
     return dirs
 
 

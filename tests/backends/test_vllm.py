@@ -23,7 +23,7 @@ from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, Gen
 from orpheus_tts_plugin.backends.pumped import continuation_seed
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
-from tests.lora import write_lora_adapter
+from orpheus_tts_plugin.tools.testmodel import write_lora_adapter
 
 SPEC = ENGLISH
 AUDIO = [SPEC.audio_token(0, 1), SPEC.audio_token(1, 2), SPEC.audio_token(2, 3), SPEC.audio_token(3, 4)]
@@ -627,8 +627,8 @@ def adapters(tmp_path: Path, plain: str) -> dict[str, str]:
     model = Path(plain)
     _weights(model)
     return {
-        "calm": str(write_lora_adapter(model, tmp_path / "calm", r=8)),
-        "bright": str(write_lora_adapter(model, tmp_path / "bright", r=24, seed=1)),
+        "calm": str(write_lora_adapter(model, tmp_path / "calm", rank=8)),
+        "bright": str(write_lora_adapter(model, tmp_path / "bright", rank=24, seed=1)),
     }
 
 

@@ -1,6 +1,7 @@
-"""LoRA adapters in PEFT's format, served beside the base model in one batched forward (the hf backend).
+"""The hf backend's LoRA adapters (PEFT format), served beside the base model in one batched forward.
 
-`read_adapter(path)` reads a PEFT LoRA folder (`adapter_config.json`, `adapter_model.safetensors` or `.bin`) and
+`read_adapter(name, path)` reads a PEFT LoRA folder as every backend does (`lora_adapters.read_adapter`), then its
+weights (`adapter_model.safetensors` or `.bin`), and
 refuses, in one line, what this path does not compute (DoRA, LoRA biases, `modules_to_save`, `alpha_pattern`,
 targets other than the decoder layers' Linears). Each module's scale is `lora_alpha / r` (`/ sqrt(r)` with
 `use_rslora`), r being the module's own rank (its tensors' shape: `rank_pattern` is honoured).
@@ -14,7 +15,6 @@ the number of adapters configured (N * R columns), not with which rows use them.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Sequence
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .lora_adapters import read_adapter as read_folder
 
 # The Linears the hf forward calls by module (attention projections, the MLP's): the only ones a LoRA may target.
 TARGETS = re.compile(r"model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)")
@@ -36,25 +38,12 @@ class Adapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def _folder(path: str) -> Path:
-    """A local folder, or a hub id fetched into (or found in) the hub cache."""
-    if Path(path).is_dir():
-        return Path(path)
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(path, allow_patterns=["adapter_config.json", "adapter_model.*"]))
-
-
 def read_adapter(name: str, path: str) -> Adapter:
     """The adapter in the PEFT folder (or hub id) `path`; ValueError naming the adapter and what is unsupported."""
     where = f"adapter {name!r} ({path})"
-    folder = _folder(path)
-    try:
-        config = json.loads((folder / "adapter_config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{where}: no readable adapter_config.json ({exc})") from None
+    found = read_folder(name, path, 0)  # the folder, a PEFT LoRA config with a rank, weights beside it
+    folder, config = Path(found.path), found.config
     unsupported = {
-        "peft_type": config.get("peft_type", "LORA") != "LORA",
         "use_dora": bool(config.get("use_dora")),
         "bias": config.get("bias", "none") != "none",
         "lora_bias": bool(config.get("lora_bias")),

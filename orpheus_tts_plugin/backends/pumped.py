@@ -143,6 +143,9 @@ class PumpedStream:
         """Submit a continuation whose audio constraint starts at output index `audio_offset`; its outputs."""
         raise NotImplementedError
 
+    def _observe(self, out: Any) -> None:
+        """Each output of the other engine, before its ids are read (nothing here; a subclass may count)."""
+
     def __aiter__(self) -> PumpedStream:
         return self
 
@@ -220,6 +223,7 @@ class PumpedStream:
     async def _run(self, outputs: Any) -> None:
         try:
             async for out in outputs:
+                self._observe(out)
                 completion = out.outputs[0]
                 ids = list(self._new_ids(completion))
                 if out.finished:

@@ -129,7 +129,8 @@ class VllmBackend:
             "orpheus_end_of_speech": spec.end_of_speech,
         }
         self._live: set[VllmStream] = set()
-        self._requests = RequestCounts(pausable=True)
+        # cached_prompt_tokens: prompt ids vLLM's prefix cache served, summed over requests (VllmStream._observe)
+        self._requests = RequestCounts("cached_prompt_tokens", pausable=True)
 
     # ---- engine and request arguments ----
     def on_cpu(self) -> bool:
@@ -286,7 +287,12 @@ class VllmBackend:
         return None if adapter is None else self._lora_requests[adapter.name]
 
     def stats(self) -> dict[str, Any]:
-        """Request counters, and the requests vLLM itself still holds (its frontend's count)."""
+        """Request counters, and the requests vLLM itself still holds (its frontend's count).
+
+        `cached_prompt_tokens`: the prompt ids whose KV blocks vLLM's prefix cache held, summed over every vLLM
+        request (a resumed request's continuation is one more): its `RequestOutput.num_cached_tokens`, whole blocks
+        only (`block_size`: 128 on the CPU build, 16 on CUDA, unless engine_kwargs set it).
+        """
         unfinished = self._engine.get_num_unfinished_requests() if self._engine is not None else 0
         return self._requests.stats(self.name, vllm_unfinished_requests=unfinished)
 
@@ -344,10 +350,20 @@ class VllmStream(PumpedStream):
         self._engine = backend._engine  # its own reference: close() clears the backend's before aborting streams
         self._live = backend._live  # the backend's open streams, aborted before a shutdown
         self._live.add(self)
+        self._observed: GenerationRequest | None = None  # the attempt whose cache hit is counted
+        self.cached_prompt_tokens = 0  # of the latest attempt: prompt ids served by vLLM's prefix cache
         super().__init__(req, outputs, backend.spec.stop_ids(req.stop_ids), backend._requests)
 
     def _new_ids(self, completion: Any) -> list[int]:
         return completion.token_ids
+
+    def _observe(self, out: Any) -> None:
+        """Count the attempt's prefix-cache hit once, from its first output (vLLM sets it when the prefill is done)."""
+        if self._observed is self.attempt:
+            return
+        self._observed = self.attempt
+        self.cached_prompt_tokens = getattr(out, "num_cached_tokens", None) or 0
+        self._backend._requests.counts["cached_prompt_tokens"] += self.cached_prompt_tokens
 
     def _abort(self) -> Awaitable[None]:
         """Cancelling the pump already aborts in vLLM; `engine.abort` makes it certain and immediate."""

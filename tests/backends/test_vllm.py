@@ -138,6 +138,7 @@ class FakeRequestOutput:
     request_id: str
     outputs: list[FakeCompletionOutput]
     finished: bool
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -158,6 +159,7 @@ class FakeAsyncLLM:
         self.live: set[str] = set()
         self.aborted: list[str] = []
         self.shutdown_calls: list[dict[str, Any]] = []
+        self.num_cached_tokens = 0  # every output's prefix-cache hit
         FakeAsyncLLM.instances.append(self)
 
     @classmethod
@@ -184,7 +186,8 @@ class FakeAsyncLLM:
         try:
             while True:
                 ids, finish = await req.queue.get()
-                out = FakeRequestOutput(request_id, [FakeCompletionOutput(0, "", ids, finish)], finish is not None)
+                completion = FakeCompletionOutput(0, "", ids, finish)
+                out = FakeRequestOutput(request_id, [completion], finish is not None, self.num_cached_tokens)
                 if out.finished:
                     self.live.discard(request_id)
                 yield out
@@ -507,6 +510,17 @@ async def test_deltas_stream_and_the_trailing_stop_id_is_dropped(fake_vllm, plai
     await stream.aclose()
     assert engine.aborted == []
     assert backend.stats()["live_requests"] == 0 and backend.stats()["tokens"] == 4
+
+
+async def test_a_requests_prefix_cache_hit_is_counted_once_from_its_outputs(fake_vllm, plain) -> None:
+    backend, engine = await started(plain)
+    engine.num_cached_tokens = 256  # vLLM repeats it on every output of the request
+    stream = backend.generate(request())
+    await settle()
+    engine.step("r1", AUDIO[:2])
+    engine.step("r1", [AUDIO[2], SPEC.end_of_speech], "stop")
+    assert [ids async for ids in stream] == [AUDIO[:2], AUDIO[2:3]]
+    assert stream.cached_prompt_tokens == 256 and backend.stats()["cached_prompt_tokens"] == 256
 
 
 @pytest.mark.parametrize(

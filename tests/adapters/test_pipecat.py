@@ -867,7 +867,9 @@ async def test_a_slow_engine_load_neither_delays_the_pipeline_start_nor_splits_t
     config: EngineConfig,
 ):
     async with controlled_engine(config, hold_load=True) as engine:
-        service = OrpheusTTSService(engine=engine, stop_frame_timeout_s=STOP_TIMEOUT)
+        # A stop timeout 4x the others': the keepalive refreshes every half of it, and the engine's boot on release
+        # (its own thread, holding the interpreter lock in stretches) must not outlast that on a loaded host.
+        service = OrpheusTTSService(engine=engine, stop_frame_timeout_s=4 * STOP_TIMEOUT)
         ready = asyncio.Event()
         service.add_event_handler("on_engine_ready", lambda _service: ready.set())
         # The pipeline's StartFrame has passed the service while the load is held (until `load.set()` below): the
@@ -876,7 +878,7 @@ async def test_a_slow_engine_load_neither_delays_the_pipeline_start_nor_splits_t
             assert engine.health()["status"] == "starting" and not service.engine_ready  # started while loading
             await p.send(TTSSpeakFrame(TEXT))
             await p.down.wait_for(lambda f: isinstance(f, TTSStartedFrame))
-            await asyncio.sleep(3.0)  # the load, held, outlasts 6 stop timeouts
+            await asyncio.sleep(5.0)  # the load, held, outlasts 2.5 stop timeouts
             assert not ready.is_set() and not p.down.of_type(TTSAudioRawFrame)
             engine.backend_control.load.set()
             await asyncio.wait_for(ready.wait(), LONG_WAIT)

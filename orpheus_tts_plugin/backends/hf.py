@@ -22,7 +22,7 @@ voice's reference turn) are prefilled once; their keys and values are kept (an L
 the adapter and the ids) and copied into each later row's slot at admission, which then prefills only the rest.
 
 LoRA adapters (`adapters`, name -> PEFT folder): loaded at start and hooked into the targeted Linears
-(`lora.py`); each slot holds its request's adapter index (0: the base model) in a device table that every
+(`hf_lora.py`); each slot holds its request's adapter index (0: the base model) in a device table that every
 forward reads, so one forward serves base and adapter rows together, in the eager, static and captured steps
 alike. With no adapter configured nothing is hooked and the forward is the base model's.
 """

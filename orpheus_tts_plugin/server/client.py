@@ -104,7 +104,8 @@ class RemoteEngine:
         $ORPHEUS_API_KEY)."""
         urls = server_urls(url)
         self.config = RemoteConfig(",".join(urls), model, model_family)
-        self.spec: ModelSpec = spec_for(model_family)  # replaced at each hello (connection's loop writes)
+        # Replaced at each hello and each status that lists voices (the connection's loop writes).
+        self.spec: ModelSpec = spec_for(model_family)
         self.sampling = SamplingParams()  # the server's defaults, replaced at each hello
         self.adapters: tuple[str, ...] = ()  # the server's LoRA adapters, replaced at each hello
         self._sentence_max_chars = EngineConfig().sentence_max_chars  # the server's, replaced at each hello
@@ -240,17 +241,8 @@ class RemoteEngine:
     ) -> SpeechOptions:
         """The voice, adapter and sampling a request would use, checked locally against what the servers accept;
         TypeError/ValueError naming what is wrong."""
-        self._take_pushed_voices()
         # A voice the server maps to an adapter needs no adapter here: the server picks it (None travels).
         return SpeechOptions.check(self.spec, self.sampling, voice, sampling, adapter, self.adapters, None, **overrides)
-
-    def _take_pushed_voices(self) -> None:
-        """The voices the servers' latest `status` listed (cloned voices added since the hello), if any."""
-        pushed = [u.status["voices"] for u in self._upstreams if u.conn is not None and "voices" in u.status]
-        if pushed:
-            voices = tuple(dict.fromkeys(v for listed in pushed for v in listed))
-            if voices != self.spec.voices:
-                self.spec = replace(self.spec, voices=voices)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, in order, as the server splits them (`AudioChunk.utterance`)."""
@@ -354,16 +346,30 @@ class RemoteEngine:
     async def _connect(
         self, url: str, on_status: Callable[[dict[str, Any]], None], on_close: Callable[[str], None]
     ) -> Connection:
-        """One connection to `url` with this engine's TLS, key, timeout and keepalive (for its Upstream)."""
+        """One connection to `url` with this engine's TLS, key, timeout and keepalive (for its Upstream); each
+        `status` also brings the servers' voices (cloned ones come and go) into `spec`, on this loop."""
+
+        def status(message: dict[str, Any]) -> None:
+            on_status(message)
+            self._take_pushed_voices()
+
         return await Connection.open(
             url,
             ssl=self._ssl,
             api_key=self._api_key,
             timeout_s=self._connect_timeout_s,
             keepalive_s=self._keepalive_s,
-            on_status=on_status,
+            on_status=status,
             on_close=on_close,
         )
+
+    def _take_pushed_voices(self) -> None:
+        """The voices the servers' latest `status` listed (cloned voices added since the hello), if any."""
+        pushed = [u.status["voices"] for u in self._upstreams if u.conn is not None and "voices" in u.status]
+        if pushed:
+            voices = tuple(dict.fromkeys(v for listed in pushed for v in listed))
+            if voices != self.spec.voices:
+                self.spec = replace(self.spec, voices=voices)
 
     def _adopt(self, upstream: Upstream, conn: Connection) -> None:
         """A new connection: take the server's voices and sampling defaults, and let waiting callers in."""
@@ -373,6 +379,7 @@ class RemoteEngine:
         self.sampling = hello.sampling
         self.adapters = hello.adapters
         self._sentence_max_chars = hello.sentence_max_chars
+        self._take_pushed_voices()
         self._count("connects")
         self._connected.set()
 

@@ -21,7 +21,7 @@ import numpy as np
 from ...config import EngineConfig
 from ...engine import OrpheusEngine
 from ...spec import SAMPLE_RATE
-from .common import host_line
+from .common import host_line, print_rows
 
 TEXT = "Hello there, how are you doing today?"
 
@@ -112,11 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = asyncio.run(measure(model_dir, args.requests, args.reference_s))
     print(host_line())
     print(f"reference: {args.reference_s:g} s, {rows[0]['reference_prompt_ids']} prompt ids")
-    print("| streams | prompt | requests | p50 ms | p90 ms | p50 / stock |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        cells = (r["streams"], r["prompt"], r["requests"], f"{r['p50_ms']:.1f}", f"{r['p90_ms']:.1f}")
-        print("| " + " | ".join(map(str, cells)) + f" | {r['vs_stock']:.2f}x |")
+    columns = {"streams": "streams", "prompt": "prompt", "requests": "requests", "p50_ms": "p50 ms"}
+    print_rows(rows, {**columns, "p90_ms": "p90 ms", "vs_stock": "p50 / stock"})
     return 0
 
 

@@ -37,6 +37,16 @@ def test_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def vllm_config(test_model_dir: Path):
+    """An engine on the vllm backend over the test model, on CPU (what the engine-level tests start)."""
+    from orpheus_tts_plugin import EngineConfig
+
+    return EngineConfig(
+        backend="vllm", model=str(test_model_dir / "orpheus"), snac=str(test_model_dir / "snac"), device="cpu"
+    )
+
+
 def invalid_positions(ids: list[int], first: int = 128_266, eos: int = 128_258) -> int:
     """Ids not valid at their output index k: first + (k % 7) * 4096 + [0, 4096), or eos when k % 7 == 0."""
     bad = 0

@@ -26,12 +26,8 @@ SHORT = {"max_tokens": 140}  # 20 frames: enough audio, little decode time
 
 
 @pytest.fixture(scope="module")
-async def engine(test_model_dir: Path):
-    eng = OrpheusEngine(
-        EngineConfig(
-            backend="vllm", model=str(test_model_dir / "orpheus"), snac=str(test_model_dir / "snac"), device="cpu"
-        )
-    )
+async def engine(vllm_config: EngineConfig):
+    eng = OrpheusEngine(vllm_config)
     await eng.start()
     requests: list = []
     generate = eng._backend.generate

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,12 +22,8 @@ GUARD_S = 180
 
 
 @pytest.fixture(scope="module")
-async def engine(test_model_dir: Path):
-    eng = OrpheusEngine(
-        EngineConfig(
-            backend="vllm", model=str(test_model_dir / "orpheus"), snac=str(test_model_dir / "snac"), device="cpu"
-        )
-    )
+async def engine(vllm_config: EngineConfig):
+    eng = OrpheusEngine(vllm_config)
     await eng.start()
     yield eng
     await eng.aclose()

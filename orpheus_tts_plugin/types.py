@@ -41,7 +41,7 @@ class SpeechOptions:
     `sampling` is complete (the engine's defaults filled in); `overrides` is what the caller set, which is what
     travels to a server (it fills in its own defaults). Reads as the `(voice, sampling)` pair that
     `check_options` returned before it returned this. A `sampling.seed` reproduces the request's tokens when it runs
-    alone, not beside other streams (the batch's rounding can flip a nearly tied token: docs/engine.md, "Seeds").
+    alone; beside other streams only with the hf backend's `batch_invariant` steps (docs/engine.md, "Seeds").
     """
 
     voice: str | None

@@ -96,7 +96,7 @@ def _check_bash(block: Block) -> None:
             assert (REPO / path).exists(), f"{block.id}: no {path}"
 
 
-@pytest.mark.parametrize("block", _of("check") + _of("run"), ids=lambda b: b.id)
+@pytest.mark.parametrize("block", _of("check") + _of("run") + _of("server"), ids=lambda b: b.id)
 def test_a_block_compiles_and_what_it_names_exists(block: Block) -> None:
     if block.lang == "python":
         _check_python(block)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from orpheus_tts_plugin.tools.loopback import free_port
-from tests.docs_blocks import REPO, UNMARKED_ALLOWED, Block, block_spec, blocks, commands, hub_cache
+from tests.docs_blocks import DOCS, REPO, UNMARKED_ALLOWED, Block, block_spec, blocks, commands, hub_cache
 
 BLOCKS = blocks()
 EXTRAS = set(metadata.metadata("orpheus-tts-plugin").get_all("Provides-Extra"))  # pyproject.toml's, as installed
@@ -169,3 +169,25 @@ def run_results(test_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 def test_a_runnable_block_runs_on_the_test_model(block: Block, run_results: dict[str, dict]) -> None:
     assert block.id in run_results
     assert run_results[block.id]["error"] is None, run_results[block.id]["error"]
+
+
+# --------------------------------------------------------------------------------------------------- links
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("doc", [p.relative_to(REPO) for p in DOCS], ids=str)
+def test_every_relative_link_of_a_doc_reaches_a_file_and_heading_that_exist(doc: Path) -> None:
+    source = REPO / doc
+    text = re.sub(r"```.*?```", "", source.read_text(), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:", target):
+            continue  # a URL
+        file, _, anchor = target.partition("#")
+        path = (source.parent / file).resolve() if file else source
+        assert path.exists(), f"{doc}: no {file}"
+        if anchor and path.suffix == ".md":
+            assert anchor in _anchors(path), f"{doc}: no heading #{anchor} in {path.relative_to(REPO)}"

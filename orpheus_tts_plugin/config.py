@@ -50,6 +50,8 @@ class SamplingParams:
     top_p: float = 0.8
     repetition_penalty: float = 1.1
     max_tokens: int = 6144
+    # Same request alone, same config and device: same tokens. Beside other streams a nearly tied token can flip with
+    # the batch's float rounding, unless the hf backend's `batch_invariant` steps (docs/engine.md, "Seeds").
     seed: int | None = None
 
     def validate(self) -> SamplingParams:

@@ -289,13 +289,14 @@ class OrpheusEngine:
         """Speak `text`: a `Speech`, an async iterator of AudioChunk (the last with `final=True`) and its sentences.
 
         `adapter`: a LoRA adapter of `EngineConfig.adapters` (a voice of `adapter_voices` picks its own).
-        Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty,
-        max_tokens, seed); None takes the engine's default. Or `options`, as `check_options` returned
-        them (not checked again). Sentence i of a long text is generated with seed + i, so it equals
-        that sentence spoken alone with seed + i. Validates eagerly (TypeError/ValueError naming the
-        field). Empty text yields nothing. Long text is split at sentence bounds and spoken in order,
-        each sentence's audio whole before the next. Leaving the loop early, `aclose()` or cancelling
-        the task aborts the generation within one engine step. `token_log`, if given, receives every
+        Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty, max_tokens, seed);
+        None takes the engine's default. Or `options`, as `check_options` returned them (not checked again).
+        Sentence i of a long text is generated with seed + i, so, run alone, it equals that sentence spoken alone
+        with seed + i; beside other streams a seed fixes the tokens only with the hf backend's `batch_invariant`
+        steps (otherwise the batch's rounding can flip a nearly tied one: docs/engine.md, "Seeds"). Validates
+        eagerly (TypeError/ValueError naming the field). Empty text yields nothing. Long text is split at sentence
+        bounds and spoken in order, each sentence's audio whole before the next. Leaving the loop early, `aclose()`
+        or cancelling the task aborts the generation within one engine step. `token_log`, if given, receives every
         generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
         """
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)

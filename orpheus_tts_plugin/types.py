@@ -40,7 +40,8 @@ class SpeechOptions:
 
     `sampling` is complete (the engine's defaults filled in); `overrides` is what the caller set, which is what
     travels to a server (it fills in its own defaults). Reads as the `(voice, sampling)` pair that
-    `check_options` returned before it returned this.
+    `check_options` returned before it returned this. A `sampling.seed` reproduces the request's tokens when it runs
+    alone; beside other streams only with the hf backend's `batch_invariant` steps (docs/engine.md, "Seeds").
     """
 
     voice: str | None
@@ -107,9 +108,10 @@ class Speech:
 
     `sentences[i]` is the text of the chunks whose `utterance` is i, split once, by the engine that speaks
     them. Iterate it, or leave early with `aclose()` (which aborts the generation within one engine step).
+    Like the async generator it replaced, it takes weak references (`__weakref__`).
     """
 
-    __slots__ = ("_chunks", "sentences")
+    __slots__ = ("_chunks", "sentences", "__weakref__")
 
     def __init__(self, sentences: Sequence[str], chunks: AsyncGenerator[AudioChunk, None]):
         self.sentences: tuple[str, ...] = tuple(sentences)

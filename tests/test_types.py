@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import weakref
 from collections.abc import AsyncGenerator, Iterator
 
 import pytest
@@ -79,3 +81,15 @@ def test_leaving_a_speech_early_closes_its_generation(engine: OrpheusEngine) -> 
 
     assert asyncio.run(leave()).start_sample == 0
     assert engine.stats()["active_streams"] == 0
+
+
+def test_a_speech_takes_a_weak_reference_that_dies_with_it_as_a_generators_does(engine: OrpheusEngine) -> None:
+    async def weakly_held() -> weakref.ref[Speech]:
+        speech = engine.synthesize("Hi.", seed=4)
+        ref = weakref.ref(speech)
+        assert ref() is speech and len([c async for c in speech]) > 0
+        return ref
+
+    ref = asyncio.run(weakly_held())
+    gc.collect()
+    assert ref() is None

@@ -17,6 +17,13 @@ length and no data-dependent branch, so that on CUDA each bucket is captured onc
 replayed (on CUDA by default: the eager step is launch-bound there). Padding never changes a row's tokens, nor a
 paused row's state (tested on CPU); captured on an H200, 4.8-6.2 ms a step at 1-64 rows (docs/benchmarks.md).
 
+Batch-invariant steps (`batch_invariant=True`, implies static shapes): every decode step runs at the largest
+bucket, `max_batch_size` rows attending over `max_seq_len` keys, so a row's arithmetic has the same shapes
+whatever else is in the step, and a seeded request gives the tokens it has alone (prefills already run one
+request at a time). The bucketed steps round differently with the bucket and can flip a nearly tied token. It
+costs every step the largest bucket's work (docs/engine.md, "Seeds"); rows not constrained to audio still step
+eagerly, outside the guarantee.
+
 Prefix reuse (`prefix_reuse=True`): a request's shared leading ids (`GenerationRequest.prefix_len`, a cloned
 voice's reference turn) are prefilled once; their keys and values are kept (an LRU of `max_prefixes`, keyed by
 the adapter and the ids) and copied into each later row's slot at admission, which then prefills only the rest.
@@ -80,6 +87,7 @@ class HFBackend(SteppedBackend):
         top_k: int = 64,
         cuda_graphs: bool = False,
         static_shapes: bool | None = None,
+        batch_invariant: bool = False,
         prefix_reuse: bool = True,
         max_prefixes: int = 16,
         adapters: Mapping[str, str] | Sequence[tuple[str, str]] = (),
@@ -94,11 +102,14 @@ class HFBackend(SteppedBackend):
         on = torch.device(device)
         if cuda_graphs and on.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, got {device!r}")
+        if batch_invariant and static_shapes is False:
+            raise ValueError("batch_invariant steps need static shapes: leave static_shapes unset or True")
         # Options: set here, read-only afterwards (any thread).
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self._preloaded = None if isinstance(model, str) else model
         self.device = on
-        self.static_shapes = cuda_graphs if static_shapes is None else static_shapes
+        self.static_shapes = batch_invariant or (cuda_graphs if static_shapes is None else static_shapes)
+        self.batch_invariant = batch_invariant
         self.cuda_graphs = cuda_graphs
         self.dtype = dtype or (torch.bfloat16 if on.type == "cuda" else torch.float32)
         self.max_seq_len = max_seq_len
@@ -116,6 +127,8 @@ class HFBackend(SteppedBackend):
         self.branch_free = self.static_shapes or on.type == "cuda"
         self.buckets = _buckets(max_batch_size)  # cache rows a static step covers
         self.length_buckets = _buckets(max_seq_len, start=min(64, max_seq_len))  # keys a static step attends over
+        if batch_invariant:  # one shape for every step: the largest
+            self.buckets, self.length_buckets = self.buckets[-1:], self.length_buckets[-1:]
         # How a step decodes its rows, chosen once: the static step where shapes are static, else the eager one.
         self._decode_rows: Callable[[list[Row]], list[int]] = (
             self._decode_static if self.static_shapes else self._decode
@@ -350,7 +363,7 @@ class HFBackend(SteppedBackend):
         with self._prefix_lock:
             cached = len(self._prefixes)
         adapters = {"adapters": list(self.lora.names)} if self.lora is not None else {}
-        return {**super().stats(), "cached_prefixes": cached, **adapters}
+        return {**super().stats(), "cached_prefixes": cached, "batch_invariant": self.batch_invariant, **adapters}
 
     def _reset_slot(
         self, slot: int, prompt: tuple[int, ...], temperature: float, top_p: float, penalty: float, seed: int

@@ -33,6 +33,7 @@ from .loading import load
 from .loop_thread import LoopThread, SharedInstances, post
 from .prompt import sentence_requests
 from .spec import ModelSpec, spec_for, with_voices
+from .stretch import stretched
 from .text import split_sentences
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 from .voices import Voices
@@ -290,7 +291,8 @@ class OrpheusEngine:
 
         `adapter`: a LoRA adapter of `EngineConfig.adapters` (a voice of `adapter_voices` picks its own).
         Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty,
-        max_tokens, seed); None takes the engine's default. Or `options`, as `check_options` returned
+        max_tokens, seed), and `speed` (0.25 to 4.0: the audio stretched, pitch kept, `stretch.py`); None takes the
+        engine's default. Or `options`, as `check_options` returned
         them (not checked again). Sentence i of a long text is generated with seed + i, so it equals
         that sentence spoken alone with seed + i. Validates eagerly (TypeError/ValueError naming the
         field). Empty text yields nothing. Long text is split at sentence bounds and spoken in order,
@@ -300,7 +302,10 @@ class OrpheusEngine:
         """
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         pieces = self.sentences(text)
-        return Speech(pieces, self._synthesize(pieces, options, token_log))
+        chunks = self._synthesize(pieces, options, token_log)
+        if options.speed != 1.0:  # after decoding, on the caller's loop (a tenth of a ms a chunk: stretch.py)
+            chunks = stretched(chunks, options.speed)
+        return Speech(pieces, chunks)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, one request each, in order (`AudioChunk.utterance` indexes them)."""

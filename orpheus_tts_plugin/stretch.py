@@ -23,7 +23,7 @@ from .spec import SAMPLE_RATE
 from .types import AudioChunk
 
 FACTOR_RANGE = (0.5, 2.0)  # what one `atempo` instance takes in every ffmpeg release
-FEED_SAMPLES = 480  # 20 ms: how much audio `atempo` takes at a time (its output lags by one such frame)
+FEED_SAMPLES = 480  # 20 ms: how much audio `atempo` takes at a time (its output lags by up to two such frames)
 
 
 def factors(speed: float) -> list[float]:
@@ -49,6 +49,7 @@ class Stretch:
         self._av = av
         self._rate = sample_rate
         self._pts = 0
+        self._held = bytearray()  # input short of a whole feed frame
         graph = av.filter.Graph()
         nodes = [
             graph.add_abuffer(format="s16", sample_rate=sample_rate, layout="mono", time_base=Fraction(1, sample_rate))
@@ -63,23 +64,31 @@ class Stretch:
     def push(self, pcm: bytes) -> bytes:
         """The stretched audio that `pcm` (int16 LE mono) makes ready.
 
-        Fed in frames of FEED_SAMPLES: `atempo` gives out an output frame only once it is full, and sizes it from
-        the input frame, so a whole chunk in would come out only with the next chunk."""
-        samples = np.frombuffer(pcm, dtype="<i2").reshape(1, -1)
+        Fed in whole frames of FEED_SAMPLES, the rest kept for the next push: `atempo` gives out an output frame
+        only once it is full and sizes it from the input frame (a whole chunk in would come out with the next one),
+        and equal frames make the output independent of how the audio was cut into chunks."""
+        self._held += pcm
+        whole = len(self._held) // (2 * FEED_SAMPLES) * 2 * FEED_SAMPLES
         out = bytearray()
-        for i in range(0, samples.shape[1], FEED_SAMPLES):
-            piece = np.ascontiguousarray(samples[:, i : i + FEED_SAMPLES])
-            frame = self._av.AudioFrame.from_ndarray(piece, format="s16", layout="mono")
-            frame.sample_rate = self._rate
-            frame.pts = self._pts
-            self._pts += piece.shape[1]
-            self._graph.push(frame)
-            out += self._pull()
+        for i in range(0, whole, 2 * FEED_SAMPLES):
+            out += self._feed(self._held[i : i + 2 * FEED_SAMPLES])
+        del self._held[:whole]
         return bytes(out)
 
     def flush(self) -> bytes:
-        """The audio the window still holds; the stretch is done after."""
+        """The audio still held; the stretch is done after."""
+        out = self._feed(bytes(self._held)) if self._held else b""
+        self._held.clear()
         self._graph.push(None)
+        return out + self._pull()
+
+    def _feed(self, pcm: bytes) -> bytes:
+        samples = np.frombuffer(pcm, dtype="<i2").reshape(1, -1)
+        frame = self._av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
+        frame.sample_rate = self._rate
+        frame.pts = self._pts
+        self._pts += samples.shape[1]
+        self._graph.push(frame)
         return self._pull()
 
     def _pull(self) -> bytes:

@@ -106,6 +106,7 @@ class Encoder:
         self._stream.format = fmt.sample_format
         if fmt.bit_rate is not None:
             self._stream.bit_rate = fmt.bit_rate
+        self._container.start_encoding()  # opens the codec and writes the header now, not at the first chunk
 
     def header(self) -> bytes:
         """What goes before the first audio: the WAV header, else nothing (an encoder writes its own)."""

@@ -6,14 +6,25 @@ from __future__ import annotations
 import base64
 import io
 import json
+from collections.abc import Iterator
 
 import av
 import numpy as np
 import pytest
 
+from orpheus_tts_plugin import EngineConfig
+from orpheus_tts_plugin.server.policy import Policy
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from tests.server.harness import TEXT, assert_same_audio, engine_of, idle, pcm_of, until
+from tests.server.harness import TEXT, assert_same_audio, engine_of, idle, pcm_of, serving, until
+
+
+@pytest.fixture(scope="module")
+def served(config: EngineConfig) -> Iterator[ServerThread]:
+    """The module's server, run as `serve --voice-alias shimmer=leo` would (over the default table's zoe)."""
+    with serving(config, policy=Policy(voice_aliases={"shimmer": "leo"})) as srv:
+        yield srv
+
 
 CONTENT_TYPES = {
     "mp3": "audio/mpeg",
@@ -141,9 +152,12 @@ async def test_instructions_are_accepted_ignored_and_said_so_in_a_header(served:
     assert_same_audio(decoded(body, "pcm"), await pcm_of(engine_of(served), voice="tara", seed=3))
 
 
-async def test_an_openai_voice_name_speaks_with_the_voice_its_alias_names(served: ServerThread) -> None:
-    _, body = await post(served, voice="alloy", response_format="pcm")
-    assert_same_audio(decoded(body, "pcm"), await pcm_of(engine_of(served), voice="tara", seed=3))
+@pytest.mark.parametrize("openai_voice, voice", [("alloy", "tara"), ("shimmer", "leo")], ids=["table", "flag"])
+async def test_an_openai_voice_name_speaks_with_the_voice_its_alias_names(
+    served: ServerThread, openai_voice: str, voice: str
+) -> None:
+    _, body = await post(served, voice=openai_voice, response_format="pcm")
+    assert_same_audio(decoded(body, "pcm"), await pcm_of(engine_of(served), voice=voice, seed=3))
 
 
 async def test_speed_stretches_the_audio_as_the_engine_does(served: ServerThread) -> None:
@@ -153,3 +167,13 @@ async def test_speed_stretches_the_audio_as_the_engine_does(served: ServerThread
     in_process = await pcm_of(engine_of(served), voice="tara", seed=3, speed=2.0)
     # WSOLA's splice points follow the audio, which the decoder's batching moves by a step or two.
     assert abs(fast.size - in_process.size) <= 2 * 480 and abs(fast.size - normal.size / 2) <= 0.02 * normal.size
+
+
+def test_serve_voice_alias_flags_become_the_policys_aliases_and_a_malformed_one_is_refused() -> None:
+    from orpheus_tts_plugin.cli import build_parser
+    from orpheus_tts_plugin.server.serve import policy
+
+    args = ["serve", "--voice-alias", "alloy=leo", "--voice-alias", "boss=dan"]
+    assert dict(policy(build_parser().parse_args(args)).voice_aliases) == {"alloy": "leo", "boss": "dan"}
+    with pytest.raises(ValueError, match="--voice-alias takes KEY=VALUE"):
+        policy(build_parser().parse_args(["serve", "--voice-alias", "alloy"]))

@@ -19,6 +19,14 @@ from orpheus_tts_plugin.spec import SAMPLE_RATE
 from tests.server.harness import TEXT, assert_same_audio, engine_of, idle, pcm_of, serving, until
 
 
+@pytest.fixture
+def one_pace(config: EngineConfig) -> None:
+    """Skip the paced run of a test of the route's own work (the engine behaves alike at both paces: the format and
+    SSE tests run at both)."""
+    if config.synthetic.tokens_per_second:
+        pytest.skip("one pace is enough: this is the route's work, not the engine's")
+
+
 @pytest.fixture(scope="module")
 def served(config: EngineConfig) -> Iterator[ServerThread]:
     """The module's server, run as `serve --voice-alias shimmer=leo` would (over the default table's zoe)."""
@@ -85,8 +93,10 @@ def test_each_lossy_encoder_keeps_a_voice_like_signal(fmt: str) -> None:
     assert abs(got.size - sent.size) <= SLACK[fmt], (got.size, sent.size)
     ref = sent.astype(np.float64)
     n = min(sent.size, got.size) - SLACK[fmt]
-    best = max(np.corrcoef(ref[:n], got[lag : lag + n])[0, 1] for lag in range(SLACK[fmt] + 1))
-    assert best > 0.95, best
+    size = 2 * got.size
+    shifted = np.fft.irfft(np.fft.rfft(got, size) * np.conj(np.fft.rfft(ref[:n], size)), size)
+    lag = int(np.argmax(shifted[: SLACK[fmt] + 1]))  # the codec's delay
+    assert np.corrcoef(ref[:n], got[lag : lag + n])[0, 1] > 0.95
 
 
 async def post(served: ServerThread, **body: object) -> tuple[dict[str, str], bytes]:
@@ -104,6 +114,7 @@ async def post(served: ServerThread, **body: object) -> tuple[dict[str, str], by
 
 
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+@pytest.mark.usefixtures("one_pace")
 async def test_the_openai_sdk_gets_each_format_streamed_with_openais_content_type_and_the_engines_audio(
     served: ServerThread, fmt: str
 ) -> None:
@@ -146,6 +157,7 @@ async def test_closing_an_sse_response_aborts_the_engine_request_within_one_step
     assert backend["aborted"] == before + 1 and backend["max_steps_to_abort"] <= 1
 
 
+@pytest.mark.usefixtures("one_pace")
 async def test_instructions_are_accepted_ignored_and_said_so_in_a_header(served: ServerThread) -> None:
     headers, body = await post(served, voice="tara", response_format="pcm", instructions="Speak cheerfully.")
     assert headers["x-orpheus-instructions"].startswith("ignored")
@@ -153,6 +165,7 @@ async def test_instructions_are_accepted_ignored_and_said_so_in_a_header(served:
 
 
 @pytest.mark.parametrize("openai_voice, voice", [("alloy", "tara"), ("shimmer", "leo")], ids=["table", "flag"])
+@pytest.mark.usefixtures("one_pace")
 async def test_an_openai_voice_name_speaks_with_the_voice_its_alias_names(
     served: ServerThread, openai_voice: str, voice: str
 ) -> None:
@@ -160,6 +173,7 @@ async def test_an_openai_voice_name_speaks_with_the_voice_its_alias_names(
     assert_same_audio(decoded(body, "pcm"), await pcm_of(engine_of(served), voice=voice, seed=3))
 
 
+@pytest.mark.usefixtures("one_pace")
 async def test_speed_stretches_the_audio_as_the_engine_does(served: ServerThread) -> None:
     _, body = await post(served, voice="tara", response_format="pcm", speed=2.0)
     fast = decoded(body, "pcm")

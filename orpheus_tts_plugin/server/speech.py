@@ -158,8 +158,12 @@ async def speech(request: Request, service: Service, key: str | None) -> Respons
         if not _instructions_logged:
             _instructions_logged = True
             log.warning("`instructions` are ignored (this is logged once); Orpheus takes emotion tags in the input")
-    # The encoder opens (tens of ms for aac) in a worker thread while the engine makes the first audio.
-    opening = asyncio.ensure_future(asyncio.to_thread(Encoder, req.format))
+    # A codec opens (up to a few ms: flac's) in a worker thread while the engine makes the first audio.
+    if req.format.codec is None:
+        opening: asyncio.Future[Encoder] = asyncio.get_running_loop().create_future()
+        opening.set_result(Encoder(req.format))
+    else:
+        opening = asyncio.ensure_future(asyncio.to_thread(Encoder, req.format))
     chunks = service.speak(start, "http", received, key)
     try:
         first: AudioChunk | None = await chunks.__anext__()

@@ -42,6 +42,15 @@ def check_number(name: str, value: object, *, lo: float, lo_open: bool = False, 
         raise ValueError(f"{name} must be {bound}, got {value!r}")
 
 
+SPEED_RANGE = (0.25, 4.0)  # OpenAI's `speed`: the audio's tempo, stretched after decoding (pitch kept)
+
+
+def check_speed(speed: object) -> float:
+    """`speed` as a float: TypeError unless a number, ValueError naming the range unless in SPEED_RANGE."""
+    check_number("speed", speed, lo=SPEED_RANGE[0], hi=SPEED_RANGE[1])
+    return float(speed)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request (Baseten's production defaults)."""

@@ -33,6 +33,7 @@ from .loading import load
 from .loop_thread import LoopThread, SharedInstances, post
 from .prompt import sentence_requests
 from .spec import ModelSpec, spec_for, with_voices
+from .stretch import stretched
 from .text import split_sentences
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 from .voices import Voices
@@ -289,8 +290,9 @@ class OrpheusEngine:
         """Speak `text`: a `Speech`, an async iterator of AudioChunk (the last with `final=True`) and its sentences.
 
         `adapter`: a LoRA adapter of `EngineConfig.adapters` (a voice of `adapter_voices` picks its own).
-        Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty, max_tokens, seed);
-        None takes the engine's default. Or `options`, as `check_options` returned them (not checked again).
+        Sampling: `sampling` and/or keyword overrides (temperature, top_p, repetition_penalty, max_tokens, seed),
+        and `speed` (0.25 to 4.0: the audio stretched, pitch kept, `stretch.py`); None takes the engine's default.
+        Or `options`, as `check_options` returned them (not checked again).
         Sentence i of a long text is generated with seed + i, so, run alone, it equals that sentence spoken alone
         with seed + i; beside other streams a seed fixes the tokens only with the hf backend's `batch_invariant`
         steps (otherwise the batch's rounding can flip a nearly tied one: docs/engine.md, "Seeds"). Validates
@@ -301,7 +303,10 @@ class OrpheusEngine:
         """
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         pieces = self.sentences(text)
-        return Speech(pieces, self._synthesize(pieces, options, token_log))
+        chunks = self._synthesize(pieces, options, token_log)
+        if options.speed != 1.0:  # after decoding, on the caller's loop (a tenth of a ms a chunk: stretch.py)
+            chunks = stretched(chunks, options.speed)
+        return Speech(pieces, chunks)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, one request each, in order (`AudioChunk.utterance` indexes them)."""

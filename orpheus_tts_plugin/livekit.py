@@ -190,6 +190,7 @@ class TTS(tts.TTS):
                 new_voice = self._engine.spec.voice_for_language(new_language.language, self._voice)
         new_adapter = adapter if utils.is_given(adapter) else self._adapter
         voice_asked = self._voice_for(new_voice, new_language)
+        changes.setdefault("speed", self._opts.speed)  # kept unless changed, as the sampling overrides are
         opts = self._engine.check_options(voice_asked, self._opts.overrides, adapter=new_adapter, **changes)
         self._opts, self._voice, self._language, self._adapter = opts, new_voice, new_language, new_adapter
 
@@ -256,7 +257,7 @@ async def _speak(
     pushed = 0
     try:
         chunks = engine.synthesize(text, options=opts)
-        words = WordTimer(chunks.sentences, segment.pace)
+        words = WordTimer(chunks.sentences, segment.pace, speed=opts.speed)
         # aclosing: the generation is aborted the moment this task is cancelled, not at garbage collection.
         async with contextlib.aclosing(chunks):  # type: ignore[type-var]
             async for chunk in _in_time(chunks, timeout):

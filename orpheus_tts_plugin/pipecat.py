@@ -142,9 +142,11 @@ class OrpheusTTSSettings(TTSSettings):
 
     One field per `SamplingOverrides` field, None meaning the engine's default (tests check the two agree);
     `adapter`: one of the engine's `EngineConfig.adapters`, None: the voice's own (a fine-tuned voice's), if any.
+    `speed`: as OpenAI's (and Pipecat's `OpenAITTSService`'s) setting, 0.25 to 4.0.
     """
 
     adapter: str | None | NotGiven = _delta_field()
+    speed: float | None | NotGiven = _delta_field()  # 0.25 to 4.0, the audio stretched with its pitch kept; None: 1.0
 
     temperature: float | None | NotGiven = _delta_field()
     top_p: float | None | NotGiven = _delta_field()
@@ -193,11 +195,12 @@ class OrpheusTTSService(TTSService):
             voice=self._engine.spec.default_voice,
             language=_language_of(self._engine.spec),
             adapter=None,
+            speed=None,
             **dict.fromkeys(SAMPLING_FIELDS),
         )
         if settings is not None:
             store.apply_update(self._with_language_voice(settings, store))
-        self._checked: tuple[tuple[str | None, SamplingOverrides, str | None], SpeechOptions] | None = None
+        self._checked: tuple[tuple[Any, ...], SpeechOptions] | None = None  # (voice, sampling, adapter, speed), options
         self._validate(store)
         self._ready_handlers: list[Callable[..., Any]] = []  # on_engine_ready's
         self._keepalive_s = kwargs.get("stop_frame_timeout_s", _STOP_FRAME_TIMEOUT_S) / 2
@@ -373,9 +376,9 @@ class OrpheusTTSService(TTSService):
 
     def _options(self, settings: OrpheusTTSSettings) -> SpeechOptions:
         """The engine's checked options for `settings`: checked once each time they change, then passed as they are."""
-        key = (settings.voice, self._sampling(settings), settings.adapter)
+        key = (settings.voice, self._sampling(settings), settings.adapter, settings.speed)
         if self._checked is None or self._checked[0] != key:
-            self._checked = (key, self._engine.check_options(key[0], key[1], adapter=key[2]))
+            self._checked = (key, self._engine.check_options(key[0], key[1], adapter=key[2], speed=key[3]))
         return self._checked[1]
 
     @staticmethod
@@ -438,12 +441,13 @@ class OrpheusTTSService(TTSService):
         self._asked_contexts.setdefault(context_id, False)
         self._last_run_yielded_audio = False
         try:
-            stream = self._engine.synthesize(text, options=self._options(settings))
+            options = self._options(settings)
+            stream = self._engine.synthesize(text, options=options)
         except (ValueError, TypeError) as exc:
             await self._report_failure(exc, context_id)
             return
         self._streams[context_id] = stream
-        words = WordTimer(stream.sentences, self._pace)
+        words = WordTimer(stream.sentences, self._pace, speed=options.speed)
         playout = self._playouts.setdefault(context_id, _Playout(SAMPLE_RATE))
         await self.start_tts_usage_metrics(text)
         await self._pcm_resampler.reset()

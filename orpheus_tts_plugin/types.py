@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection,
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .config import SamplingOverrides, SamplingParams
+from .config import SamplingOverrides, SamplingParams, check_speed
 from .spec import SAMPLE_RATE, ModelSpec
 
 
@@ -48,6 +48,7 @@ class SpeechOptions:
     sampling: SamplingParams
     overrides: SamplingOverrides = SamplingOverrides()
     adapter: str | None = None  # the LoRA adapter that speaks (given, or the one the voice maps to); None: none
+    speed: float = 1.0  # the audio's tempo (config.SPEED_RANGE), stretched after decoding with its pitch kept
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.voice, self.sampling))
@@ -68,11 +69,14 @@ class SpeechOptions:
         adapter: str | None = None,
         adapters: Collection[str] = (),
         voice_adapters: Mapping[str, str] | None = None,
+        speed: float | None = None,
         **changes: Any,
     ) -> SpeechOptions:
-        """`voice` and the sampling overrides checked against `spec` and applied to `defaults`, and `adapter` against
-        `adapters` (None: the adapter `voice_adapters` maps the voice to, if any); TypeError/ValueError."""
+        """`voice` and the sampling overrides checked against `spec` and applied to `defaults`, `adapter` against
+        `adapters` (None: the adapter `voice_adapters` maps the voice to, if any), and `speed` (None: 1.0) against
+        config.SPEED_RANGE; TypeError/ValueError."""
         overrides = SamplingOverrides.of(sampling, **changes)
+        checked_speed = 1.0 if speed is None else check_speed(speed)
         voice = spec.check_voice(voice)
         if adapter is None:
             adapter = (voice_adapters or {}).get(voice or "")
@@ -81,7 +85,7 @@ class SpeechOptions:
         elif adapter not in adapters:
             known = ", ".join(adapters) or "none (EngineConfig.adapters)"
             raise ValueError(f"unknown adapter {adapter!r}; this engine's adapters: {known}")
-        return cls(voice, overrides.apply(defaults), overrides, adapter)
+        return cls(voice, overrides.apply(defaults), overrides, adapter, checked_speed)
 
     @staticmethod
     def chosen(

@@ -255,12 +255,13 @@ class Pace:
 class _Sentence:
     """One sentence on its way: its units placed by the prior, given out as its audio arrives."""
 
-    def __init__(self, text: str, base: int, pace: Pace):
+    def __init__(self, text: str, base: int, pace: Pace, speed: float = 1.0):
         self.parts = units(text, pace.weights)
         self.base = base  # the stream sample where the sentence's audio begins
         self.pace = pace
+        self.speed = speed  # the audio is stretched to 1/speed of its length: so is the prior's placing
         lead, _ = _edges(float("inf"), pace.weights, pace.sample_rate)
-        self.spans = place(self.parts, lead, pace.samples_per_unit)
+        self.spans = place(self.parts, lead, pace.samples_per_unit / speed)
         self.given = 0  # units handed out (or passed, for tags)
 
     def advance(self, delivered: int) -> list[TimedWord]:
@@ -283,7 +284,7 @@ class _Sentence:
             else:
                 rest_spans = layout(rest, lead, length - trail)
             self.spans[self.given :] = rest_spans
-        self.pace.learn(self.parts, length)
+        self.pace.learn(self.parts, round(length * self.speed))  # the pace is learnt at speed 1
         return self._give(len(self.parts))
 
     def _give(self, end: int) -> list[TimedWord]:
@@ -299,8 +300,9 @@ class _Sentence:
 class WordTimer:
     """Times the words of one `synthesize()` stream from its chunks, in order, each word once."""
 
-    def __init__(self, sentences: Sequence[str], pace: Pace | None = None, hold_s: float = 0.0):
-        """`sentences`: what the stream speaks, as its engine split it (`Speech.sentences`).
+    def __init__(self, sentences: Sequence[str], pace: Pace | None = None, hold_s: float = 0.0, speed: float = 1.0):
+        """`sentences`: what the stream speaks, as its engine split it (`Speech.sentences`); `speed`: the stream's
+        (`SpeechOptions.speed`), whose stretched audio the words are placed in (the prior scaled by 1/speed).
 
         `hold_s`: audio seconds a word waits past its estimated end before it is given out by the prior;
         more is more accurate (more words timed with the sentence's length known), later when generation
@@ -311,12 +313,13 @@ class WordTimer:
         self._hold = round(hold_s * self._pace.sample_rate)
         self._current: _Sentence | None = None
         self._index = -1
+        self._speed = speed
 
     def feed(self, chunk: ChunkLike) -> list[TimedWord]:
         """The words whose estimated end lies in the audio delivered up to and including `chunk`."""
         if chunk.utterance != self._index:
             self._index = chunk.utterance
-            self._current = _Sentence(self._texts[chunk.utterance], chunk.start_sample, self._pace)
+            self._current = _Sentence(self._texts[chunk.utterance], chunk.start_sample, self._pace, self._speed)
         sentence = self._current
         assert sentence is not None
         delivered = chunk.start_sample + chunk.num_samples - sentence.base

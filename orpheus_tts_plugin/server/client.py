@@ -261,12 +261,13 @@ class RemoteEngine:
     ) -> Speech:
         """Speak `text` on a server: a `Speech` as OrpheusEngine.synthesize returns it (validated eagerly).
 
-        The server fills in its own sampling defaults: only the overrides travel. Leaving the loop early,
+        The server fills in its own sampling defaults: only the overrides travel; `speed` is stretched by the server's
+        engine. Leaving the loop early,
         `aclose()` or cancelling the task sends `cancel` at once.
         """
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         sentences = self.sentences(text)
-        request = protocol.Start(text, options.voice, options.overrides, options.adapter)
+        request = protocol.Start(text, options.voice, options.overrides, options.adapter, options.speed)
         return Speech(sentences, self._synthesize(request))
 
     async def _synthesize(self, request: protocol.Start) -> AsyncGenerator[AudioChunk, None]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,8 @@ class Policy:
     slow_consumer_timeout_s: float = 10.0  # a stream whose full buffer is not read for this long ends
     auth_timeout_s: float = 5.0  # a WebSocket without the key in its headers must send `auth` within this
     header_timeout_s: float = 10.0  # a connection must complete its first request's headers within this
+    # OpenAI voice names (or any) onto the model's voices, over speech.VOICE_ALIASES (serve --voice-alias NAME=VOICE)
+    voice_aliases: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if any(not isinstance(k, str) or not k for k in self.api_keys):

@@ -5,7 +5,7 @@ One WebSocket (`WS_PATH`) carries many streams at once, each named by a stream i
 
 - server → client, first: `hello` (protocol version, model, voices, sampling defaults, max_streams), so
   that the client checks voices and sampling values itself without a round trip, then `status`;
-- client → server: `start` {id, text, voice, sampling} and `cancel` {id}; `stats` {req} asks for the
+- client → server: `start` {id, text, voice, sampling, speed} and `cancel` {id}; `stats` {req} asks for the
   server's counters;
 - server → client: binary audio frames, `HEADER` (stream id, flags, sentence index) then int16 LE
   mono 24 kHz PCM; `UTTERANCE_END` flags a sentence's last frame, and the frame flagged `FINAL` ends
@@ -25,7 +25,7 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..config import SAMPLING_FIELDS, SamplingOverrides, SamplingParams
+from ..config import SAMPLING_FIELDS, SamplingOverrides, SamplingParams, check_speed
 from ..errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
 from ..types import AudioChunk
 
@@ -108,11 +108,14 @@ class Start:
     voice: str | None = None
     sampling: SamplingOverrides = SamplingOverrides()
     adapter: str | None = None  # a LoRA adapter of the server's (hello `adapters`); None: the voice's, if any
+    speed: float = 1.0  # the audio's tempo in config.SPEED_RANGE, stretched by the server's engine (pitch kept)
 
     def message(self, sid: int) -> dict[str, Any]:
         out = {"type": "start", "id": sid, "text": self.text, "voice": self.voice, "sampling": self.sampling.given()}
         if self.adapter is not None:  # absent otherwise: the message a server without adapters knows
             out["adapter"] = self.adapter
+        if self.speed != 1.0:  # likewise
+            out["speed"] = self.speed
         return out
 
     @classmethod
@@ -128,7 +131,7 @@ class Start:
         adapter = message.get("adapter")
         if adapter is not None and not isinstance(adapter, str):
             raise TypeError(f"adapter must be a str or null, got {type(adapter).__name__}")
-        return cls(text, voice, SamplingOverrides.of(**sampling), adapter)
+        return cls(text, voice, SamplingOverrides.of(**sampling), adapter, check_speed(message.get("speed", 1.0)))
 
 
 def cancel(sid: int) -> dict[str, Any]:

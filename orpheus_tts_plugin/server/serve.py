@@ -70,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--adapter-voice", action="append", default=[], metavar="VOICE=NAME",
         help="a fine-tuned voice: VOICE is spoken by adapter NAME; repeatable",
     )  # fmt: skip
+    p.add_argument(
+        "--voice-alias", action="append", default=[], metavar="NAME=VOICE",
+        help="the OpenAI route speaks voice NAME (e.g. alloy) with the model's VOICE; repeatable; overrides the "
+        "default table (docs/serving.md)",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8880)
     p.add_argument("--uds", default=None, help="listen on this Unix socket instead of host:port")
@@ -172,6 +177,7 @@ def policy(args: argparse.Namespace) -> Policy:
         slow_consumer_timeout_s=args.slow_consumer_timeout,
         auth_timeout_s=args.auth_timeout,
         header_timeout_s=args.header_timeout,
+        voice_aliases=_pairs("--voice-alias", getattr(args, "voice_alias", [])),
     )
 
 

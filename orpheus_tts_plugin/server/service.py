@@ -128,7 +128,11 @@ class Service:
                 self.key_streams[key] += 1
                 held = True
             chunks = self.engine.synthesize(
-                request.text, voice=request.voice, sampling=request.sampling, adapter=request.adapter
+                request.text,
+                voice=request.voice,
+                sampling=request.sampling,
+                adapter=request.adapter,
+                speed=request.speed,
             )
             first = True
             async with contextlib.aclosing(chunks):

@@ -1,4 +1,11 @@
-"""`POST /v1/audio/speech`, compatible with OpenAI's: JSON in, PCM or WAV streamed out with chunked transfer.
+"""`POST /v1/audio/speech`, compatible with OpenAI's: JSON in, audio streamed out with chunked transfer.
+
+Every OpenAI `response_format` (mp3 by default, opus, aac, flac, wav, pcm: `encoders.py`), each chunk encoded as
+it arrives; `stream_format: "sse"` sends the same bytes as base64 `speech.audio.delta` events, then one
+`speech.audio.done` with `usage`. `speed` is stretched by the engine (pitch kept); `instructions` are accepted and
+ignored (Orpheus takes emotion tags in the text), said once in the log and in every response's
+`X-Orpheus-Instructions` header. OpenAI's voice names map onto the model's voices (`VOICE_ALIASES`, overridden by
+`serve --voice-alias NAME=VOICE`).
 
 The response starts once the first audio exists, so that a refusal (bad input 400, overloaded or
 draining 503) is a status code, not a broken stream. A client that closes the connection aborts the
@@ -10,44 +17,68 @@ connection cut (the response is left incomplete, so the client sees a truncated 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import json
 import logging
-import struct
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Message, Send
 
-from ..config import SAMPLING_FIELDS, SamplingOverrides
+from ..config import SAMPLING_FIELDS, SamplingOverrides, check_speed
 from ..errors import EngineError
 from ..spec import SAMPLE_RATE
 from ..types import AudioChunk
 from . import protocol
+from .encoders import DEFAULT_FORMAT, FORMATS, AudioFormat, Encoder
 from .http_errors import error_response
 from .policy import LimitError, Policy
 from .service import Service
 
 log = logging.getLogger(__name__)
 
-FORMATS = {"pcm": "audio/pcm", "wav": "audio/wav"}
-DEFAULT_FORMAT = "wav"  # OpenAI's default is mp3, which this server does not encode; WAV describes itself
 OPENAI_FIELDS = ("model", "input", "voice", "response_format", "speed", "stream_format", "instructions")
 OWN_FIELDS = ("adapter",)  # beside OpenAI's and the sampling fields: a LoRA adapter of this server's
+STREAM_FORMATS = ("audio", "sse")
+SSE_CONTENT_TYPE = "text/event-stream"
+SAMPLES_PER_FRAME = 2048  # SNAC samples per Orpheus frame of 7 audio tokens: `usage.output_tokens` counts frames
+TOKENS_PER_FRAME = 7
+# OpenAI's voices (openai-python's SpeechCreateParams, Pipecat's VALID_VOICES) onto Orpheus's English voices, by
+# the register OpenAI describes for each; a name the model speaks itself is never aliased.
+VOICE_ALIASES: dict[str, str] = {
+    "alloy": "tara",
+    "ash": "leo",
+    "ballad": "dan",
+    "cedar": "zac",
+    "coral": "leah",
+    "echo": "dan",
+    "fable": "zac",
+    "marin": "jess",
+    "nova": "jess",
+    "onyx": "leo",
+    "sage": "mia",
+    "shimmer": "zoe",
+    "verse": "zac",
+}
+INSTRUCTIONS_HEADER = "X-Orpheus-Instructions"
+_instructions_logged = False  # server loop only: the one-time log line about ignored instructions
 
 
-def wav_header(sample_rate: int = SAMPLE_RATE) -> bytes:
-    """A 16-bit mono WAV header for a stream of unknown length (sizes 0xFFFFFFFF, as streaming encoders write)."""
-    unknown = 0xFFFFFFFF
-    rate = sample_rate
-    return struct.pack(
-        "<4sI8sIHHIIHH4sI", b"RIFF", unknown, b"WAVEfmt ", 16, 1, 1, rate, 2 * rate, 2, 16, b"data", unknown
-    )
+class SpeechRequest:
+    """A parsed request: what the engine speaks (`start`), and how the audio goes back (format, SSE or not)."""
+
+    __slots__ = ("start", "format", "sse", "instructions")
+
+    def __init__(self, start: protocol.Start, fmt: AudioFormat, sse: bool, instructions: str | None):
+        self.start, self.format, self.sse, self.instructions = start, fmt, sse, instructions
 
 
-def parse_body(body: Any) -> tuple[protocol.Start, str]:
-    """(request, response format) from the JSON body; TypeError/ValueError naming the field."""
+def parse_body(body: Any) -> SpeechRequest:
+    """The request of a JSON body; TypeError/ValueError naming the field."""
     if not isinstance(body, dict):
         raise TypeError("the request body must be a JSON object")
     known = OPENAI_FIELDS + SAMPLING_FIELDS + OWN_FIELDS
@@ -64,12 +95,13 @@ def parse_body(body: Any) -> tuple[protocol.Start, str]:
     fmt = body.get("response_format") or DEFAULT_FORMAT
     if fmt not in FORMATS:
         raise ValueError(f"response_format {fmt!r} is not supported; choose one of {', '.join(FORMATS)}")
-    if body.get("stream_format", "audio") != "audio":
-        raise ValueError("stream_format must be 'audio' (server-sent events are not supported)")
-    if body.get("speed", 1.0) != 1.0:
-        raise ValueError("speed must be 1.0 (Orpheus speaks at its own pace)")
-    if body.get("instructions"):
-        raise ValueError("instructions are not supported; put emotion tags such as <laugh> in the input")
+    stream_format = body.get("stream_format") or "audio"
+    if stream_format not in STREAM_FORMATS:
+        raise ValueError(f"stream_format must be one of {', '.join(STREAM_FORMATS)}, got {stream_format!r}")
+    speed = check_speed(body["speed"]) if body.get("speed") is not None else 1.0
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise TypeError(f"instructions must be a string, got {type(instructions).__name__}")
     text = body.get("input")
     if not isinstance(text, str):
         raise TypeError(f"input must be a string, got {type(text).__name__}")
@@ -77,7 +109,15 @@ def parse_body(body: Any) -> tuple[protocol.Start, str]:
     if adapter is not None and not isinstance(adapter, str):
         raise TypeError(f"adapter must be a string, got {type(adapter).__name__}")
     sampling = SamplingOverrides.of(**{k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None})
-    return protocol.Start(text, voice or None, sampling, adapter or None), fmt
+    start = protocol.Start(text, voice or None, sampling, adapter or None, speed)
+    return SpeechRequest(start, FORMATS[fmt], stream_format == "sse", instructions or None)
+
+
+def aliased(voice: str | None, known: tuple[str, ...], aliases: Mapping[str, str]) -> str | None:
+    """`voice`, or the model's voice its alias names when the model has no voice of that name."""
+    if voice is None or voice in known:
+        return voice
+    return aliases.get(voice, voice)
 
 
 async def read_json(request: Request, policy: Policy) -> Any:
@@ -97,29 +137,58 @@ async def read_json(request: Request, policy: Policy) -> Any:
 
 async def speech(request: Request, service: Service, key: str | None) -> Response:
     """The endpoint: validate, wait for the first audio, then stream the rest; `key`: the caller's API key."""
+    global _instructions_logged
     received = time.perf_counter()
     try:
-        start, fmt = parse_body(await read_json(request, service.policy))
-        if not start.text.strip():
+        req = parse_body(await read_json(request, service.policy))
+        if not req.start.text.strip():
             raise ValueError("input must not be empty")
-        service.policy.check_text(start.text)
+        service.policy.check_text(req.start.text)
     except (ValueError, TypeError) as exc:
         service.refused(exc, "http")
         return error_response(exc)
+    aliases = {**VOICE_ALIASES, **service.policy.voice_aliases}
+    start = req.start
+    voice = aliased(start.voice, tuple(service.engine.spec.voices), aliases)
+    if voice != start.voice:
+        start = protocol.Start(start.text, voice, start.sampling, start.adapter, start.speed)
+    headers = {"X-Sample-Rate": str(SAMPLE_RATE)}
+    if req.instructions is not None:
+        headers[INSTRUCTIONS_HEADER] = "ignored: Orpheus takes emotion tags such as <laugh> in the input"
+        if not _instructions_logged:
+            _instructions_logged = True
+            log.warning("`instructions` are ignored (this is logged once); Orpheus takes emotion tags in the input")
+    # A codec opens (up to a few ms: flac's) in a worker thread while the engine makes the first audio.
+    if req.format.codec is None:
+        opening: asyncio.Future[Encoder] = asyncio.get_running_loop().create_future()
+        opening.set_result(Encoder(req.format))
+    else:
+        opening = asyncio.ensure_future(asyncio.to_thread(Encoder, req.format))
     chunks = service.speak(start, "http", received, key)
     try:
         first: AudioChunk | None = await chunks.__anext__()
     except StopAsyncIteration:  # nothing to say (text of tags or punctuation only): an empty, well-formed body
         first = None
     except (EngineError, ValueError, TypeError) as exc:
+        opening.add_done_callback(_close_opened)
         return error_response(exc)
-    head = wav_header() if fmt == "wav" else b""
-    return _DeadlineStreamingResponse(
-        service,
-        _body(head, first, chunks),
-        media_type=FORMATS[fmt],
-        headers={"X-Sample-Rate": str(SAMPLE_RATE)},
-    )
+    except BaseException:
+        opening.add_done_callback(_close_opened)
+        raise
+    try:
+        encoder = await opening
+    except BaseException:
+        await chunks.aclose()
+        raise
+    media_type = SSE_CONTENT_TYPE if req.sse else req.format.content_type
+    body = _sse(encoder, first, chunks, start.speed) if req.sse else _audio(encoder, first, chunks)
+    return _DeadlineStreamingResponse(service, body, media_type=media_type, headers=headers)
+
+
+def _close_opened(opening: asyncio.Future[Encoder]) -> None:
+    """Close an encoder opened for a request refused meanwhile."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
 
 
 class _DeadlineStreamingResponse(StreamingResponse):
@@ -150,17 +219,58 @@ class _DeadlineStreamingResponse(StreamingResponse):
             await self._body.aclose()
 
 
-async def _body(
-    head: bytes, first: AudioChunk | None, rest: AsyncGenerator[AudioChunk, None]
-) -> AsyncGenerator[bytes, None]:
-    """The response body; closing it (client gone, response cancelled) closes the engine stream at once."""
+async def _encoded(
+    encoder: Encoder, first: AudioChunk | None, rest: AsyncGenerator[AudioChunk, None]
+) -> AsyncGenerator[tuple[bytes, int], None]:
+    """(encoded bytes, samples so far) as the chunks arrive, then the encoder's tail; closing it (client gone,
+    response cancelled) closes the engine stream at once. Encoding runs in a worker thread (raw PCM needs none)."""
+    coded = encoder.format.codec is not None
+    samples = 0
     try:
+        head = encoder.header()
         if head:
-            yield head
-        if first is None:
-            return
-        yield first.pcm
-        async for chunk in rest:
-            yield chunk.pcm
+            yield head, samples
+        if first is not None:
+            chunk: AudioChunk | None = first
+            while chunk is not None:
+                samples += chunk.num_samples
+                data = await asyncio.to_thread(encoder.encode, chunk.pcm) if coded else chunk.pcm
+                if data:
+                    yield data, samples
+                chunk = await anext(rest, None)
+        tail = await asyncio.to_thread(encoder.finish) if coded else b""
+        if tail:
+            yield tail, samples
     finally:
         await rest.aclose()
+        encoder.close()
+
+
+async def _audio(
+    encoder: Encoder, first: AudioChunk | None, rest: AsyncGenerator[AudioChunk, None]
+) -> AsyncGenerator[bytes, None]:
+    """The body of `stream_format: audio`: the encoded bytes as they are."""
+    async with contextlib.aclosing(_encoded(encoder, first, rest)) as pieces:
+        async for data, _ in pieces:
+            yield data
+
+
+async def _sse(
+    encoder: Encoder, first: AudioChunk | None, rest: AsyncGenerator[AudioChunk, None], speed: float
+) -> AsyncGenerator[bytes, None]:
+    """The body of `stream_format: sse`, as OpenAI's API reference has it: `speech.audio.delta` events with the
+    encoded bytes in base64 `audio`, then one `speech.audio.done` with `usage` (output tokens: the audio frames'
+    7 tokens each, counted from the samples before the `speed` stretch; input tokens are not counted here)."""
+    samples = 0
+    async with contextlib.aclosing(_encoded(encoder, first, rest)) as pieces:
+        async for data, so_far in pieces:
+            samples = so_far
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+    output_tokens = -(-round(samples * speed) // SAMPLES_PER_FRAME) * TOKENS_PER_FRAME
+    usage = {"input_tokens": 0, "output_tokens": output_tokens, "total_tokens": output_tokens}
+    yield _event({"type": "speech.audio.done", "usage": usage})
+
+
+def _event(message: dict[str, Any]) -> bytes:
+    """One server-sent event: a `data:` line of JSON and the blank line that ends it."""
+    return b"data: " + json.dumps(message, separators=(",", ":")).encode() + b"\n\n"

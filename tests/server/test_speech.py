@@ -43,7 +43,9 @@ async def test_the_openai_client_streams_pcm_equal_to_the_in_process_audio(serve
 
 
 async def test_wav_is_a_header_then_the_same_pcm(served: ServerThread) -> None:
-    status, body = await asyncio.to_thread(http, served, "/v1/audio/speech", {"model": "m", "input": TEXT, "seed": 2})
+    status, body = await asyncio.to_thread(
+        http, served, "/v1/audio/speech", {"model": "m", "input": TEXT, "seed": 2, "response_format": "wav"}
+    )
     assert status == 200 and body[:4] == b"RIFF" and body[8:16] == b"WAVEfmt "
     assert int.from_bytes(body[24:28], "little") == SAMPLE_RATE
     assert_same_audio(np.frombuffer(body[44:], dtype="<i2"), await pcm_of(engine_of(served), seed=2))
@@ -52,8 +54,11 @@ async def test_wav_is_a_header_then_the_same_pcm(served: ServerThread) -> None:
 @pytest.mark.parametrize(
     "body, status, code",
     [
-        ({"model": "m", "input": TEXT, "voice": "alloy"}, 400, "ValueError"),
-        ({"model": "m", "input": TEXT, "response_format": "mp3"}, 400, "ValueError"),
+        ({"model": "m", "input": TEXT, "voice": "nosuch"}, 400, "ValueError"),
+        ({"model": "m", "input": TEXT, "response_format": "ogg"}, 400, "ValueError"),
+        ({"model": "m", "input": TEXT, "stream_format": "websocket"}, 400, "ValueError"),
+        ({"model": "m", "input": TEXT, "speed": 4.5}, 400, "ValueError"),
+        ({"model": "m", "input": TEXT, "speed": "fast"}, 400, "TypeError"),
         ({"model": "m", "input": TEXT, "temperature": "hot"}, 400, "TypeError"),
         ({"model": "m", "input": TEXT, "pitch": 2}, 400, "TypeError"),
         ({"input": TEXT}, 400, "TypeError"),
@@ -63,7 +68,12 @@ def test_bad_http_requests_are_refused_with_400_naming_the_field(
     served: ServerThread, body: dict, status: int, code: str
 ) -> None:
     got, raw = http(served, "/v1/audio/speech", body)
-    assert got == status and json.loads(raw)["error"]["code"] == code
+    error = json.loads(raw)["error"]
+    assert got == status and error["code"] == code and error["type"] == "invalid_request_error"
+    if body.get("speed") == 4.5:
+        assert "[0.25, 4]" in error["message"]
+    if body.get("voice") == "nosuch":
+        assert "tara" in error["message"]
 
 
 async def test_closing_the_http_response_aborts_the_engine_request(long_served: ServerThread) -> None:

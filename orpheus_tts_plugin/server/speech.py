@@ -31,7 +31,7 @@ from starlette.types import Message, Send
 
 from ..config import SAMPLING_FIELDS, SamplingOverrides, check_speed
 from ..errors import EngineError
-from ..spec import SAMPLE_RATE
+from ..spec import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from ..types import AudioChunk
 from . import protocol
 from .encoders import DEFAULT_FORMAT, FORMATS, AudioFormat, Encoder
@@ -45,8 +45,6 @@ OPENAI_FIELDS = ("model", "input", "voice", "response_format", "speed", "stream_
 OWN_FIELDS = ("adapter",)  # beside OpenAI's and the sampling fields: a LoRA adapter of this server's
 STREAM_FORMATS = ("audio", "sse")
 SSE_CONTENT_TYPE = "text/event-stream"
-SAMPLES_PER_FRAME = 2048  # SNAC samples per Orpheus frame of 7 audio tokens: `usage.output_tokens` counts frames
-TOKENS_PER_FRAME = 7
 # OpenAI's voices (openai-python's SpeechCreateParams, Pipecat's VALID_VOICES) onto Orpheus's English voices, by
 # the register OpenAI describes for each; a name the model speaks itself is never aliased.
 VOICE_ALIASES: dict[str, str] = {

@@ -21,23 +21,27 @@ import soxr
 
 from . import mulaw
 
-# What the caller says: a question the agent answers, then a line that barges in on the answer.
+# What the caller says: a question the agent answers, then a line that barges in on the answer. Each pauses
+# mid-sentence (SSML `<break>`, espeak-ng's markup) where the sentence is plainly unfinished, as a caller
+# hesitating does: a turn-taking that answers there has cut the caller off (waterfall.py: split turns).
+MID_SENTENCE_PAUSE = '<break time="400ms"/>'
 CALLER_LINES = {
-    "question": "Hi, what are your opening hours on Saturday?",
-    "barge_in": "Sorry to interrupt, can I book a table for two people tonight?",
+    "question": f"Hi, what are your opening hours on {MID_SENTENCE_PAUSE} Saturday?",
+    "barge_in": f"Sorry to interrupt, can I book a table for {MID_SENTENCE_PAUSE} two people tonight?",
 }
 MANIFEST = "fixtures.json"
 TARGET_PEAK = 0.7  # of full scale: a loud, clean caller, well above the VAD's volume floor
 
 
 def speak(text: str, voice: str = "en-us", words_per_minute: int = 165) -> np.ndarray:
-    """Synthesise `text` with espeak-ng; int16 samples at 8 kHz, peak-normalised."""
+    """Synthesise `text` (plain, or with SSML such as `<break time="600ms"/>`) with espeak-ng; int16 samples at
+    8 kHz, peak-normalised."""
     if shutil.which("espeak-ng") is None:
         raise RuntimeError("espeak-ng not found; install it (Debian/Ubuntu: apt-get install espeak-ng)")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "speech.wav"
         subprocess.run(
-            ["espeak-ng", "-v", voice, "-s", str(words_per_minute), "-w", str(path), text],
+            ["espeak-ng", "-m", "-v", voice, "-s", str(words_per_minute), "-w", str(path), text],
             check=True,
             capture_output=True,
         )

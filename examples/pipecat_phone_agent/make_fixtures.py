@@ -21,13 +21,14 @@ import soxr
 
 from . import mulaw
 
-# What the caller says: a question the agent answers, then a line that barges in on the answer. Each pauses
-# mid-sentence (SSML `<break>`, espeak-ng's markup) where the sentence is plainly unfinished, as a caller
-# hesitating does: a turn-taking that answers there has cut the caller off (waterfall.py: split turns).
-MID_SENTENCE_PAUSE = '<break time="400ms"/>'
+# What the caller says: a question the agent answers, then a line that barges in on the answer. Each hesitates
+# mid-sentence where the sentence is plainly unfinished, as callers do: the question with a filled pause ("um,"
+# then silence), the barge-in with a silent one (SSML `<break>`, espeak-ng's markup, which espeak-ng speaks with
+# the falling pitch of a clause's end). Both pauses outlast the VAD's stop (0.2 s), so the turn stop decides;
+# a turn stop that answers there has cut the caller off (waterfall.py: split turns; turn_check.py).
 CALLER_LINES = {
-    "question": f"Hi, what are your opening hours on {MID_SENTENCE_PAUSE} Saturday?",
-    "barge_in": f"Sorry to interrupt, can I book a table for {MID_SENTENCE_PAUSE} two people tonight?",
+    "question": 'Hi, what are your opening hours on, um, <break time="300ms"/> Saturday?',
+    "barge_in": 'Sorry to interrupt, can I book a table for <break time="400ms"/> two people tonight?',
 }
 MANIFEST = "fixtures.json"
 TARGET_PEAK = 0.7  # of full scale: a loud, clean caller, well above the VAD's volume floor

@@ -31,7 +31,7 @@ RULES: tuple[tuple[tuple[str, ...], str], ...] = (
         "We are closed on Sundays.",
     ),
     (
-        ("book", "table", "reserv", "tonight"),
+        ("book", "table", "reserv", "tonight", "people"),  # pocketsphinx hears "two people" best of the request
         "Of course, I can book a table for you. What time would you like, and how many people are coming?",
     ),
 )

@@ -20,6 +20,10 @@ any of them.
 Aligned transcripts (`capabilities.aligned_transcript`): every stream pushes its words as `TimedString`s,
 seconds from the segment's first sample, estimated by `words.WordTimer`; with
 `AgentSession(use_tts_aligned_transcript=True)` an interrupted reply is cut where its audio stopped.
+
+Speech from the first phrase (`TTS(first_phrase=N)`): a stream holds its text back from the sentence
+tokenizer until its first clause mark after N words (first_phrase.py), speaks that phrase, then the rest
+as the tokenizer splits it (`_SpokenTexts`); one stream is one reply in LiveKit's AgentSession.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 from .config import EngineConfig, SamplingOverrides
 from .engine import OrpheusEngine
 from .errors import Failure, failure_of, missing_extra
+from .first_phrase import FirstPhrase, FirstPhraseSplitter, min_words_of
 from .spec import SAMPLE_RATE
 from .types import AudioChunk, SpeechEngine, SpeechOptions
 from .weights import download_files
@@ -110,6 +115,7 @@ class TTS(tts.TTS):
         adapter: str | None = None,
         sentence_tokenizer: NotGivenOr[tokenize.SentenceTokenizer] = NOT_GIVEN,
         word_weights: Weights = DEFAULT_WEIGHTS,
+        first_phrase: int | FirstPhrase | None = None,
         **overrides: float | int | None,
     ) -> None:
         """Speak through `engine`, or through the process-wide engine of `config` (the default config if neither).
@@ -123,6 +129,9 @@ class TTS(tts.TTS):
         seed); None uses the engine's default. `sentence_tokenizer` decides where
         `stream()` cuts pushed text into requests (default: LiveKit's blingfire sentence splitter).
         `word_weights`: how the aligned transcript's word times are estimated (docs/word-timestamps.md).
+        `first_phrase` (None: off, the default): a minimum number of words (or a `FirstPhrase`); each stream then
+        speaks from its first clause mark after that many words instead of its first sentence's end, the rest
+        in sentences: the voice starts sooner, the first phrase is intoned without the rest of its sentence.
         """
         if engine is not None and config is not None:
             raise ValueError("pass either engine or config, not both")
@@ -144,6 +153,7 @@ class TTS(tts.TTS):
         )
         self._streams: weakref.WeakSet[SynthesizeStream] = weakref.WeakSet()
         self._pace = Pace(word_weights)  # the voice's speaking rate, learnt from every sentence this TTS speaks
+        self._first_phrase = min_words_of(first_phrase)
 
     @property
     def engine(self) -> SpeechEngine:
@@ -389,6 +399,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         self._engine = tts.engine
         self._opts = tts._opts
         self._sentence_tokenizer = tts._sentence_tokenizer
+        self._first_phrase = tts._first_phrase
         self._pace = tts._pace
         self._timeout = conn_options.timeout  # LiveKit keeps conn_options private (tts/tts.py SynthesizeStream)
         self._pushed = _PushedText()
@@ -412,24 +423,24 @@ class SynthesizeStream(tts.SynthesizeStream):
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=True)
-        sentences = self._sentence_tokenizer.stream()
-        forward = asyncio.create_task(self._forward_input(sentences), name="orpheus.forward_input")
+        texts = _SpokenTexts(self._sentence_tokenizer.stream(), self._first_phrase)
+        forward = asyncio.create_task(self._forward_input(texts), name="orpheus.forward_input")
         try:
             segment: _Segment | None = None
-            async for sentence in sentences:
+            async for text in texts.spoken():
                 if segment is None:
                     output_emitter.start_segment(segment_id=utils.shortuuid())
                     segment = _Segment(self._pace)
                 self._mark_started()  # LiveKit's only start of the stream's metrics clock (tts/tts.py)
-                await _speak(self._engine, sentence.token, self._opts, output_emitter, self._timeout, segment)
+                await _speak(self._engine, text, self._opts, output_emitter, self._timeout, segment)
             await forward
             if segment is not None:
                 output_emitter.end_segment()
         finally:
             await utils.aio.cancel_and_wait(forward)
-            await sentences.aclose()
+            await texts.aclose()
 
-    async def _forward_input(self, sentences: tokenize.SentenceStream) -> None:
+    async def _forward_input(self, sentences: _SpokenTexts) -> None:
         """Feed pushed text to the sentence splitter; the first flush after some text ends the stream's segment."""
         has_text = False
         async for data in self._pushed.replay():
@@ -440,6 +451,49 @@ class SynthesizeStream(tts.SynthesizeStream):
             sentences.push_text(data)
             has_text = True
         sentences.end_input()
+
+
+class _SpokenTexts:
+    """What one stream speaks, in order: its first phrase if `rule` cuts one, then the sentence tokenizer's sentences.
+
+    The text is held back from the tokenizer until the first phrase is cut or a sentence ends first (then the
+    tokenizer gets it all, as without a rule). Fed by the stream's input task, read by its `_run`, one loop.
+    """
+
+    def __init__(self, sentences: tokenize.SentenceStream, rule: FirstPhrase | None):
+        self._sentences = sentences
+        self._splitter = None if rule is None else FirstPhraseSplitter(rule)
+        self._first: str | None = None
+        self._decided = asyncio.Event()  # whether a first phrase comes before the sentences is known
+        if self._splitter is None:
+            self._decided.set()
+
+    def push_text(self, text: str) -> None:
+        if self._splitter is None or self._splitter.decided:
+            self._sentences.push_text(text)
+            return
+        self._first, rest = self._splitter.feed(text)
+        if rest:
+            self._sentences.push_text(rest)
+        if self._splitter.decided:
+            self._decided.set()
+
+    def end_input(self) -> None:
+        if self._splitter is not None and (rest := self._splitter.finish()):
+            self._sentences.push_text(rest)
+        self._decided.set()
+        self._sentences.end_input()
+
+    async def spoken(self) -> AsyncIterator[str]:
+        """Each text to speak, as soon as it is known."""
+        await self._decided.wait()
+        if self._first:
+            yield self._first
+        async for sentence in self._sentences:
+            yield sentence.token
+
+    async def aclose(self) -> None:
+        await self._sentences.aclose()
 
 
 # ---------------------------------------------------------------------------------------------- worker set-up

@@ -20,6 +20,9 @@ Pipecat's public API only (tests/adapters/test_public_api.py); each workaround n
   a `pts`, estimated by `words.WordTimer` and placed on the context's playout timeline (`_Playout`), so
   the output transport releases it as its audio plays and an interruption leaves the assistant message
   holding the words spoken.
+- Speech from the first phrase (`first_phrase=`): the reply's text goes through `FirstPhraseTextAggregator`
+  (a `BaseTextAggregator`, also usable in Pipecat's `LLMTextProcessor`) and reaches the base as
+  `AggregatedTextFrame`s, the frames the base speaks as they come; its own sentence aggregator then sees none.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any, cast
 from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
 from .engine import OrpheusEngine
 from .errors import EngineError, EngineFailedError, EngineOverloadedError, Failure, failure_of, missing_extra
+from .first_phrase import FirstPhrase, FirstPhraseSplitter, min_words_of
 from .spec import SAMPLE_RATE, ModelSpec
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 from .words import DEFAULT_WEIGHTS, Pace, Weights, WordTimer
@@ -44,9 +48,14 @@ from .words import DEFAULT_WEIGHTS, Pace, Weights, WordTimer
 try:
     from pipecat.audio.utils import create_stream_resampler
     from pipecat.frames.frames import (
+        AggregatedTextFrame,
         CancelFrame,
         EndFrame,
         Frame,
+        InterruptionFrame,
+        LLMFullResponseEndFrame,
+        LLMFullResponseStartFrame,
+        LLMTextFrame,
         StartFrame,
         TTSAudioRawFrame,
         TTSStoppedFrame,
@@ -54,9 +63,11 @@ try:
     )
     from pipecat.processors.frame_processor import FrameDirection
     from pipecat.services.settings import TTSSettings
-    from pipecat.services.tts_service import TTSService
+    from pipecat.services.tts_service import TextAggregationMode, TTSService
     from pipecat.transcriptions.language import Language
     from pipecat.utils.errors import ErrorCategory
+    from pipecat.utils.text.base_text_aggregator import Aggregation, BaseTextAggregator, TextType
+    from pipecat.utils.text.simple_text_aggregator import SimpleTextAggregator
     from pipecat.utils.tracing.service_decorators import traced_tts
     from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
@@ -135,6 +146,58 @@ class _Playout:
         return self._times[i] + (sample - self._starts[i]) / self._rate
 
 
+class FirstPhraseTextAggregator(BaseTextAggregator):
+    """Pipecat's sentence aggregation, but each reply's first phrase goes out at its first clause mark after
+    `FirstPhrase.min_words` words (first_phrase.py); the rest of the reply follows in sentences from `sentences`
+    (Pipecat's `SimpleTextAggregator` by default). A reply ends at `flush()` (Pipecat: the LLM response's end).
+    """
+
+    def __init__(self, rule: FirstPhrase | int = 3, *, sentences: BaseTextAggregator | None = None, **kwargs: Any):
+        super().__init__(aggregation_type=TextType.SENTENCE, **kwargs)
+        self._rule = cast(FirstPhrase, min_words_of(rule))
+        self._sentences = sentences or SimpleTextAggregator(language=self.language)
+        self._reply = FirstPhraseSplitter(self._rule)  # the current reply's; a new one at each reply's end
+
+    @property
+    def text(self) -> Aggregation:
+        """The text held: the reply's head not yet cut, then the sentence aggregator's."""
+        held = (self._reply.held + self._sentences.text.text).strip(" ")
+        return Aggregation(text=held, type=TextType.SENTENCE)
+
+    def set_language(self, language: str | None) -> None:
+        """Pipecat's, for the sentence aggregator too."""
+        super().set_language(language)
+        self._sentences.set_language(language)
+
+    async def aggregate(self, text: str) -> AsyncGenerator[Aggregation, None]:
+        """The reply's first phrase once cut, then its sentences as the sentence aggregator completes them."""
+        phrase, rest = self._reply.feed(text)
+        if phrase:
+            yield Aggregation(text=phrase, type=TextType.SENTENCE)
+        if rest:
+            async for aggregation in self._sentences.aggregate(rest):
+                yield aggregation
+
+    async def flush(self) -> Aggregation | None:
+        """The reply's end: all the text still held, as one aggregation; the next text begins a new reply."""
+        rest, self._reply = self._reply.finish(), FirstPhraseSplitter(self._rule)
+        texts = [a.text async for a in self._sentences.aggregate(rest)] if rest else []
+        if (last := await self._sentences.flush()) is not None:
+            texts.append(last.text)
+        text = " ".join(t for t in texts if t.strip())
+        return Aggregation(text=text, type=TextType.SENTENCE) if text else None
+
+    async def handle_interruption(self) -> None:
+        """Drop the interrupted reply's text; the next text begins a new reply."""
+        self._reply = FirstPhraseSplitter(self._rule)
+        await self._sentences.handle_interruption()
+
+    async def reset(self) -> None:
+        """Back to the start of a reply, holding nothing."""
+        self._reply = FirstPhraseSplitter(self._rule)
+        await self._sentences.reset()
+
+
 @dataclass
 class OrpheusTTSSettings(TTSSettings):
     """Pipecat TTS settings (model, voice, language) plus the Orpheus sampling overrides and LoRA adapter,
@@ -169,6 +232,11 @@ class OrpheusTTSService(TTSService):
     Event handlers: `on_engine_ready(service)`, once the engine has loaded after this service started;
     Pipecat's `on_usable_changed(service, is_usable)`, also when an overload begins and ends.
 
+    `first_phrase` (None: off, the default): a minimum number of words (or a `FirstPhrase`); each LLM reply is
+    then spoken from its first clause mark after that many words instead of its first sentence's end, and the
+    rest in sentences (`FirstPhraseTextAggregator`): the voice starts sooner, the first phrase is intoned
+    without the rest of its sentence (docs/pipecat.md).
+
     Keeping a context open while its request runs relies on Pipecat's default `reuse_context_id_within_turn=True`.
     """
 
@@ -183,10 +251,14 @@ class OrpheusTTSService(TTSService):
         word_weights: Weights = DEFAULT_WEIGHTS,
         unusable_while_overloaded: bool = True,
         capacity_poll_s: float = 0.1,
+        first_phrase: int | FirstPhrase | None = None,
         **kwargs: Any,
     ):
         if engine is not None and engine_config is not None:
             raise ValueError("pass either engine or engine_config, not both")
+        rule = min_words_of(first_phrase)
+        if rule is not None and kwargs.get("text_aggregation_mode") == TextAggregationMode.TOKEN:
+            raise ValueError("first_phrase cuts sentences: it needs text_aggregation_mode SENTENCE, not TOKEN")
         if not capacity_poll_s > 0:
             raise ValueError(f"capacity_poll_s must be > 0, got {capacity_poll_s!r}")
         self._engine = engine or OrpheusEngine.shared(engine_config)
@@ -218,6 +290,8 @@ class OrpheusTTSService(TTSService):
         self._background: list[asyncio.Task[None]] = []
         # Cleared explicitly per utterance, never by a timer: a slow engine tick must not reset it mid-utterance.
         self._pcm_resampler = create_stream_resampler(clear_after_secs=None)
+        # The LLM text's aggregator with first_phrase (None: the base's own); fed on the frame-processing task.
+        self._first_phrase_text = None if rule is None else FirstPhraseTextAggregator(rule)
 
     @property
     def settings(self) -> OrpheusTTSSettings:
@@ -415,6 +489,34 @@ class OrpheusTTSService(TTSService):
                 return
             if delta is not given:
                 frame = dataclasses.replace(frame, delta=delta, settings={})
+        if self._first_phrase_text is not None and await self._first_phrase_aggregates(frame, direction):
+            return
+        await super().process_frame(frame, direction)
+
+    async def _first_phrase_aggregates(self, frame: Frame, direction: FrameDirection) -> bool:
+        """With first_phrase: aggregate the LLM's text here and hand the base what to speak as AggregatedTextFrames
+        (True: `frame` was consumed); drop the held text at an interruption, speak it at the reply's end."""
+        aggregator = cast(FirstPhraseTextAggregator, self._first_phrase_text)
+        if getattr(frame, "skip_tts", False):
+            return False  # the base passes on text that is not to be spoken, as it comes
+        if isinstance(frame, LLMTextFrame):
+            await self.start_text_aggregation_metrics()
+            async for aggregation in aggregator.aggregate(frame.text):
+                await self.stop_text_aggregation_metrics()
+                await self._speak_aggregation(aggregation, direction)
+            return True
+        if isinstance(frame, LLMFullResponseStartFrame):
+            aggregator.set_language(self.text_aggregation_language)
+        elif isinstance(frame, (LLMFullResponseEndFrame, EndFrame)):
+            if (remaining := await aggregator.flush()) is not None:
+                await self._speak_aggregation(remaining, direction)
+        elif isinstance(frame, InterruptionFrame):
+            await aggregator.handle_interruption()
+        return False
+
+    async def _speak_aggregation(self, aggregation: Aggregation, direction: FrameDirection) -> None:
+        """Speak `aggregation` as the base speaks its own aggregator's (as an AggregatedTextFrame it receives)."""
+        frame = AggregatedTextFrame(aggregation.text, aggregation.type, raw_text=aggregation.text)
         await super().process_frame(frame, direction)
 
     async def set_model(self, model: str) -> None:

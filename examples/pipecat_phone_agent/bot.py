@@ -91,6 +91,11 @@ def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResourc
     user, out = aggregators.user(), transport.output()
     moments = TurnMoments(call_markers(user, stt, llm, tts, out))
     resources.keep_moments(call.stream_sid, moments.moments)
+
+    @tts.event_handler("on_tts_request")
+    async def text_to_speak(_tts, _context_id: str, _text: str) -> None:
+        moments.note("first_phrase_ready")
+
     pipeline = Pipeline([transport.input(), stt, user, llm, tts, out, aggregators.assistant()])
     worker = PipelineWorker(
         pipeline,

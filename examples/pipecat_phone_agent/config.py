@@ -47,8 +47,12 @@ class AgentConfig:
     llm_model: str = "meta-llama/Llama-3.2-3B-Instruct"
     llm_api_key: str = "none"
     llm_timeout_s: float = 10.0  # longest wait for the LLM's answer to begin, or for its next piece
+    # (offline) the offline responder's pace: offline_responder.LLMPace says where the defaults come from
+    llm_ttft_s: float = 0.042
+    llm_tokens_per_s: float = 91.0
     voice: str = "tara"
     max_tokens: int | None = None  # cap on audio tokens per sentence (about 82 per second of speech)
+    first_phrase_words: int | None = None  # speak from the reply's first phrase of at least this many words
     greeting: str = GREETING
     turns: TurnTaking = field(default_factory=TurnTaking)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -89,8 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--llm-timeout", type=float, default=d.llm_timeout_s, help="seconds without an LLM answer before the call ends"
     )
+    p.add_argument(
+        "--llm-ttft", type=float, default=d.llm_ttft_s, help="(offline) seconds to the responder's first token"
+    )
+    p.add_argument(
+        "--llm-tokens-per-s", type=float, default=d.llm_tokens_per_s, help="(offline) the responder's tokens/s"
+    )
     p.add_argument("--voice", default=d.voice)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="audio tokens per sentence at most")
+    p.add_argument(
+        "--first-phrase-words", type=int, default=d.first_phrase_words, metavar="N",
+        help="start speaking each reply at its first clause mark after N words, not its first sentence's end",
+    )  # fmt: skip
     p.add_argument("--greeting", default=d.greeting)
     t = p.add_argument_group("turn taking")
     t.add_argument("--vad-start-secs", type=float, default=d.turns.vad_start_secs)
@@ -139,8 +153,11 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         llm_model=a.llm_model,
         llm_api_key=os.environ.get("OPENAI_API_KEY", "none"),
         llm_timeout_s=a.llm_timeout,
+        llm_ttft_s=a.llm_ttft,
+        llm_tokens_per_s=a.llm_tokens_per_s,
         voice=a.voice,
         max_tokens=a.max_tokens,
+        first_phrase_words=a.first_phrase_words,
         greeting=a.greeting,
         turns=TurnTaking(a.vad_start_secs, a.vad_stop_secs, a.turn_stop, a.user_speech_timeout, a.turn_stop_timeout),
         engine=engine,

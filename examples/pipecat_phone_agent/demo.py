@@ -37,7 +37,7 @@ from orpheus_tts_plugin.tools.loopback import free_port
 
 from .caller import CallScript, print_summary, run_calls
 from .make_fixtures import load_fixtures
-from .waterfall import add_stages, medians, plot, print_medians
+from .waterfall import add_stages, medians, plot, print_medians, split_turns
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,6 +159,7 @@ def run_demo(
         sids = [c["stream_sid"] for c in report["calls"]]
         add_stages(report, {sid: get_json(f"{base}/calls/{sid}/moments") for sid in sids})
     report["stage_medians_ms"] = medians(report)
+    report["split_turns"] = split_turns(report)
     report["server_log"] = str(out / f"server{name}.log")
     report["waterfall_png"] = str(out / f"waterfall{name}.png")
     report["calls_dir"] = str(out / f"calls{name}")
@@ -195,6 +196,13 @@ def demo(argv: list[str] | None) -> int:
         help="with 2 or more CPUs: the agent on the first, `serve` on the last, recognizers and callers anywhere",
     )
     parser.add_argument(
+        "--first-phrase-words",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the agent speaks each reply from its first clause mark after N words (off: its first sentence)",
+    )
+    parser.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -210,6 +218,7 @@ def demo(argv: list[str] | None) -> int:
         *weights,
         *("--stt", "pocketsphinx", "--llm", "offline", "--max-tokens", str(args.max_tokens)),
         *agent_cpus,
+        *([] if args.first_phrase_words is None else ["--first-phrase-words", str(args.first_phrase_words)]),
         *args.server_arg,
     ]
     runs: dict[str, dict[str, Any]] = {}
@@ -223,6 +232,7 @@ def demo(argv: list[str] | None) -> int:
         print_summary(report)
         if report["host_cpu_steal_s"] is not None:  # a VM's neighbours: the demo's figures move with it
             print(f"host CPU stolen by the hypervisor during the calls: {report['host_cpu_steal_s']:.1f} s")
+        print(f"caller turns ended too early (at a mid-sentence pause): {report['split_turns']}")
         engine = report["server"]["engine"]
         print(
             f"engine: {report['server']['calls']['total']} calls, {engine.get('streams_started', 0)} streams, "

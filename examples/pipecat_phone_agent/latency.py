@@ -9,6 +9,8 @@ of the caller's speech:
 - `transcript`: the final transcript (TranscriptionFrame out of the STT);
 - `turn_end`: the turn strategy ends the user's turn (the LLMContextFrame the user aggregator sends on);
 - `llm_first_token`: the first LLM text of the reply;
+- `first_phrase_ready`: the TTS is handed the reply's first text to speak (its aggregator's first sentence, or
+  first phrase: `first_phrase.py`), through TTSService's `on_tts_request` event (`TurnMoments.note`);
 - `tts_first_audio`: the first audio out of OrpheusTTSService (the engine's first chunk);
 - `transport_out`: the first audio the output transport has written to the call's WebSocket;
 - `caller_first_audio`: the first agent audio at the caller (the caller's own measurement).
@@ -72,7 +74,11 @@ class TurnMoments(BaseObserver):
             return
         for marker in self._markers:
             if data.source is marker.source and isinstance(data.frame, marker.frames):
-                now = time.monotonic()
-                if now - self._last.get(marker.stage, -math.inf) > BURST_GAP_S:
-                    self.moments.append((now, marker.stage))
-                self._last[marker.stage] = now
+                self.note(marker.stage)
+
+    def note(self, stage: str) -> None:
+        """`stage` is reached now (the first of a burst is kept). Called on the pipeline's event loop."""
+        now = time.monotonic()
+        if now - self._last.get(stage, -math.inf) > BURST_GAP_S:
+            self.moments.append((now, stage))
+        self._last[stage] = now

@@ -21,23 +21,28 @@ import soxr
 
 from . import mulaw
 
-# What the caller says: a question the agent answers, then a line that barges in on the answer.
+# What the caller says: a question the agent answers, then a line that barges in on the answer. Each hesitates
+# mid-sentence where the sentence is plainly unfinished, as callers do: the question with a filled pause ("um,"
+# then silence), the barge-in with a silent one (SSML `<break>`, espeak-ng's markup, which espeak-ng speaks with
+# the falling pitch of a clause's end). Both pauses outlast the VAD's stop (0.2 s), so the turn stop decides;
+# a turn stop that answers there has cut the caller off (waterfall.py: split turns; turn_check.py).
 CALLER_LINES = {
-    "question": "Hi, what are your opening hours on Saturday?",
-    "barge_in": "Sorry to interrupt, can I book a table for two people tonight?",
+    "question": 'Hi, what are your opening hours on, um, <break time="300ms"/> Saturday?',
+    "barge_in": 'Sorry to interrupt, can I book a table for <break time="400ms"/> two people tonight?',
 }
 MANIFEST = "fixtures.json"
 TARGET_PEAK = 0.7  # of full scale: a loud, clean caller, well above the VAD's volume floor
 
 
 def speak(text: str, voice: str = "en-us", words_per_minute: int = 165) -> np.ndarray:
-    """Synthesise `text` with espeak-ng; int16 samples at 8 kHz, peak-normalised."""
+    """Synthesise `text` (plain, or with SSML such as `<break time="600ms"/>`) with espeak-ng; int16 samples at
+    8 kHz, peak-normalised."""
     if shutil.which("espeak-ng") is None:
         raise RuntimeError("espeak-ng not found; install it (Debian/Ubuntu: apt-get install espeak-ng)")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "speech.wav"
         subprocess.run(
-            ["espeak-ng", "-v", voice, "-s", str(words_per_minute), "-w", str(path), text],
+            ["espeak-ng", "-m", "-v", voice, "-s", str(words_per_minute), "-w", str(path), text],
             check=True,
             capture_output=True,
         )

@@ -11,7 +11,7 @@ from orpheus_tts_plugin.pipecat import OrpheusTTSService
 
 from .checks import StageUnavailable, first_line
 from .config import AgentConfig, shared_engine
-from .offline_responder import OfflineResponder
+from .offline_responder import LLMPace, OfflineResponder
 from .offline_stt import PocketsphinxRecognizer, PocketsphinxSTTService
 
 
@@ -60,7 +60,7 @@ class AgentResources:
     def make_llm(self) -> FrameProcessor:
         """This call's responder: the offline responder, or an LLM behind an OpenAI-compatible API (real)."""
         if self.config.llm == "offline":
-            return OfflineResponder()
+            return OfflineResponder(LLMPace(self.config.llm_ttft_s, self.config.llm_tokens_per_s))
         from .openai_llm import make_openai_llm
 
         return make_openai_llm(self.config)
@@ -68,4 +68,4 @@ class AgentResources:
     def make_tts(self) -> OrpheusTTSService:
         """This call's voice, speaking through the shared engine."""
         settings = OrpheusTTSService.Settings(voice=self.config.voice, max_tokens=self.config.max_tokens)
-        return OrpheusTTSService(engine=self.engine, settings=settings)
+        return OrpheusTTSService(engine=self.engine, settings=settings, first_phrase=self.config.first_phrase_words)

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any
 
 # The stages of report.json's "stages_ms", in the order the issue names them (latency.py says what each is).
-STAGES = ("turn_end", "transcript", "llm_first_token", "tts_first_audio", "transport_out", "caller_first_audio")
+STAGES = (
+    "turn_end",
+    "transcript",
+    "llm_first_token",
+    "first_phrase_ready",
+    "tts_first_audio",
+    "transport_out",
+    "caller_first_audio",
+)
 EXTRA_STAGES = ("vad_stop",)
 # As they usually follow each other: the turn end waits for the transcript.
 CHRONOLOGY = (
@@ -19,6 +27,7 @@ CHRONOLOGY = (
     "transcript",
     "turn_end",
     "llm_first_token",
+    "first_phrase_ready",
     "tts_first_audio",
     "transport_out",
     "caller_first_audio",
@@ -45,7 +54,8 @@ def stages_ms(moments: list[list[Any]], speech_end: float, caller_first_audio: f
         before_end = [t for t, s in ordered if s == "transcript" and at["transcript"] <= t <= at["turn_end"]]
         at["transcript"] = max(before_end, default=at["transcript"])
     at["llm_first_token"] = first("llm_first_token", at["turn_end"])
-    at["tts_first_audio"] = first("tts_first_audio", at["llm_first_token"])
+    at["first_phrase_ready"] = first("first_phrase_ready", at["llm_first_token"])
+    at["tts_first_audio"] = first("tts_first_audio", at["first_phrase_ready"] or at["llm_first_token"])
     at["transport_out"] = first("transport_out", at["tts_first_audio"])
     at["caller_first_audio"] = caller_first_audio
     return {s: None if at[s] is None else round((at[s] - speech_end) * 1000.0, 1) for s in (*STAGES, *EXTRA_STAGES)}
@@ -61,6 +71,12 @@ def add_stages(report: dict[str, Any], moments_of: dict[str, list[list[Any]]]) -
         call["moments"] = moments
         for turn in call["turns"]:
             turn["stages_ms"] = stages_ms(moments, turn["speech_end_monotonic"], turn["first_audio_monotonic"])
+
+
+def split_turns(report: dict[str, Any]) -> int:
+    """User turns the server ended beyond the caller's own, over all calls: each is a turn ended too early, at a
+    pause inside the caller's sentence (the caller's lines pause mid-sentence: make_fixtures.py)."""
+    return sum(max(0, c.get("server_turn_ends", 0) - len(c["turns"])) for c in report["calls"])
 
 
 def medians(report: dict[str, Any]) -> dict[str, float | None]:

@@ -643,7 +643,7 @@ async def test_each_word_is_one_text_frame_with_a_pts_in_order_and_a_tag_is_no_w
 
 
 async def speak_and_interrupt(
-    engine: OrpheusEngine, before_interrupting: Callable[[Speaker], Awaitable[None]]
+    engine: OrpheusEngine, before_interrupting: Callable[[Speaker], Awaitable[None]], **service_options: Any
 ) -> tuple[list[str], list[str]]:
     """REPLY through user aggregator → LLM → TTS → speaker → assistant aggregator, cut off by the caller.
 
@@ -656,7 +656,8 @@ async def speak_and_interrupt(
     strategies = UserTurnStrategies(start=[VADUserTurnStartStrategy()], stop=[SpeechTimeoutUserTurnStopStrategy()])
     pair = LLMContextAggregatorPair(context, user_params=LLMUserAggregatorParams(user_turn_strategies=strategies))
     speaker = Speaker()
-    pipeline = Pipeline([pair.user(), ScriptedLLM(REPLY), OrpheusTTSService(engine=engine), speaker, pair.assistant()])
+    tts = OrpheusTTSService(engine=engine, **service_options)
+    pipeline = Pipeline([pair.user(), ScriptedLLM(REPLY), tts, speaker, pair.assistant()])
     async with running_pipeline(pipeline, PipelineParams(audio_out_sample_rate=SAMPLE_RATE)) as p:
         await p.send(LLMRunFrame())
         await before_interrupting(speaker)

@@ -72,6 +72,7 @@ def test_each_stage_is_timed_from_the_callers_speech_end_after_the_stage_that_ca
         [10.6, "transcript"],
         [10.9, "turn_end"],
         [10.91, "llm_first_token"],
+        [11.0, "first_phrase_ready"],
         [11.2, "tts_first_audio"],
         [11.21, "transport_out"],
         [14.0, "turn_end"],  # the next turn's
@@ -82,6 +83,7 @@ def test_each_stage_is_timed_from_the_callers_speech_end_after_the_stage_that_ca
         "turn_end": 900.0,
         "transcript": 600.0,
         "llm_first_token": 910.0,
+        "first_phrase_ready": 1000.0,
         "tts_first_audio": 1200.0,
         "transport_out": 1210.0,
         "caller_first_audio": 1250.0,

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from orpheus_tts_plugin import EngineConfig, SyntheticConfig
+from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.server.encoders import FORMATS, Encoder
+from orpheus_tts_plugin.server.serve import serving_in_thread
 from orpheus_tts_plugin.stretch import Stretch
 from orpheus_tts_plugin.tools.bench.common import host_line, print_rows
-from tests.server.harness import serving
 
 TEXT = "Hello there. How are you today?"
 
@@ -133,7 +133,12 @@ def main() -> None:
                 capture_output=True,
             )
         config = EngineConfig(model=None, backend="synthetic", snac=str(model_dir / "snac"), device="cpu")
-        with serving(replace(config, synthetic=SyntheticConfig(tokens_per_second=0.0))) as srv:
+        engine = OrpheusEngine(replace(config, synthetic=SyntheticConfig(tokens_per_second=0.0)))
+        with serving_in_thread(engine) as srv:
+            while not engine.ready:  # the server's start-up loads the engine
+                if engine.health()["status"] not in ("starting", "not started"):
+                    raise SystemExit(f"the engine did not load: {engine.health()}")
+                time.sleep(0.01)
             port = int(srv.http_url.rsplit(":", 1)[1])
             print_rows(ttfb_rows(port, args.requests), {"case": "request", "p50_ms": "TTFB p50 ms",
                                                           "p90_ms": "p90 ms", "n": "requests"})  # fmt: skip

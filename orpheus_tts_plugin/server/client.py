@@ -28,7 +28,7 @@ from ..spec import SPECS, ModelSpec, spec_for
 from ..text import split_sentences
 from ..types import AudioChunk, Speech, SpeechOptions
 from . import protocol
-from .connection import Connection, Item, to_mailbox
+from .connection import CLOSE_TIMEOUT_S, Connection, Item, to_mailbox
 from .upstream import Upstream, choose, server_urls
 
 
@@ -123,6 +123,7 @@ class RemoteEngine:
         self._open: set[_CallerStream] = set()
         self._connected = asyncio.Event()  # set at each new connection and at shutdown: waiters look again
         self._keepers: list[asyncio.Task[None]] = []
+        self._waiters: set[asyncio.Task[Any]] = set()  # start()s waiting for a connection
         self._outbox: Outbox[_CallerStream] = Outbox()  # the connection's loop only
 
     @classmethod
@@ -384,18 +385,22 @@ class RemoteEngine:
         self._connected.set()
 
     async def _wait_up(self, timeout_s: float, every_server: bool) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while not self._reached(every_server) and not self._closed:
-            self._connected.clear()
-            try:
-                await asyncio.wait_for(self._connected.wait(), deadline - asyncio.get_running_loop().time())
-            except asyncio.TimeoutError:
-                unreached = ",".join(u.url for u in self._upstreams if u.conn is None) if every_server else None
-                raise EngineError(
-                    f"cannot reach {unreached or self.config.url} within {timeout_s:g} s: {self._why_down('no answer')}"
-                ) from None
-        if self._closed:
-            raise EngineClosedError("RemoteEngine is closed")
+        waiter = asyncio.current_task()
+        self._waiters.add(waiter)  # _shutdown lets it see _closed before the loop stops: its caller gets an answer
+        try:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while not self._reached(every_server) and not self._closed:
+                self._connected.clear()
+                try:
+                    await asyncio.wait_for(self._connected.wait(), deadline - asyncio.get_running_loop().time())
+                except asyncio.TimeoutError:
+                    unreached = ",".join(u.url for u in self._upstreams if u.conn is None) if every_server else None
+                    where, why = unreached or self.config.url, self._why_down("no answer")
+                    raise EngineError(f"cannot reach {where} within {timeout_s:g} s: {why}") from None
+            if self._closed:
+                raise EngineClosedError("RemoteEngine is closed")
+        finally:
+            self._waiters.discard(waiter)
 
     def _begin(self, stream: _CallerStream, request: protocol.Start) -> None:
         if stream.closed:
@@ -422,11 +427,17 @@ class RemoteEngine:
             stream.conn.cancel(stream.sid)
 
     async def _shutdown(self) -> None:
+        """Stop reconnecting and close every connection, within about CLOSE_TIMEOUT_S whatever the servers do: a
+        dead, stopped or unreachable server holds nothing open here (aclose() must not hang on it)."""
+        for upstream in self._upstreams:
+            upstream.stop()
         for keeper in self._keepers:
             keeper.cancel()
-        await asyncio.gather(*self._keepers, return_exceptions=True)
-        for upstream in self._upstreams:
-            if upstream.conn is not None:
-                await upstream.conn.aclose(EngineClosedError("RemoteEngine closed"))
+        if self._keepers:  # each returns at its next step if not at once
+            await asyncio.wait(self._keepers, timeout=CLOSE_TIMEOUT_S)
+        closing = [c for u in self._upstreams for c in u.connections()]
+        await asyncio.gather(*(c.aclose(EngineClosedError("RemoteEngine closed")) for c in closing))
         self._connected.set()  # waiting callers see _closed
+        if self._waiters:
+            await asyncio.wait(self._waiters, timeout=CLOSE_TIMEOUT_S)
         self._flush()

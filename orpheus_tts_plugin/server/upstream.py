@@ -7,6 +7,7 @@ drains or its engine does not serve (the server checks its status every `app.STA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -56,25 +57,45 @@ class Upstream:
         self._backoff = backoff_s
         self._on_up = on_up  # called with each new connection, once it is this Upstream's
         self._unreported: set[int] = set()  # ids (on `conn`) of open streams started since the last status
+        self._orphan: Connection | None = None  # a connection that opened as stop() came (never adopted)
+        self._stopping = asyncio.Event()  # set once by stop(): keep_connected returns, whatever it was awaiting
 
     async def keep_connected(self) -> None:
-        """Connect, serve until the socket closes, reconnect with jittered exponential backoff; until cancelled."""
+        """Connect, serve until the socket closes, reconnect with jittered exponential backoff; until stop().
+
+        It checks `stop()`'s flag after every await rather than relying on cancellation alone: Python 3.11's
+        `asyncio.wait_for` drops a cancel that arrives as its awaitable finishes (a refused connect returns at
+        once), and the loop then went on reconnecting for ever, hanging `RemoteEngine.aclose()`.
+        """
         first, longest = self._backoff
         delay = first
-        while True:
+        while not self._stopping.is_set():
             try:
                 conn = await self._connect(self.url, self._on_status, self._on_close)
             except EngineError as exc:
                 self.last_error = str(exc)
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                with contextlib.suppress(asyncio.TimeoutError):  # the backoff, cut short by stop()
+                    await asyncio.wait_for(self._stopping.wait(), delay * random.uniform(0.8, 1.2))
                 delay = min(2 * delay, longest)
                 continue
+            if self._stopping.is_set():  # connected as stop() came: not adopted, closed by the caller of stop()
+                self._orphan = conn
+                return
             delay = first
             self.status, self.conn = conn.status, conn
             self._unreported.clear()
             self.connects += 1
             self._on_up(self, conn)
-            await conn.closed
+            await asyncio.shield(conn.closed)  # a cancel must not cancel the connection's own future
+
+    def stop(self) -> None:
+        """Stop reconnecting: keep_connected returns at its next step (its owner also cancels it, to end the step
+        it is in); the open connection stays for the owner to close: `connections()` lists it."""
+        self._stopping.set()
+
+    def connections(self) -> list[Connection]:
+        """Its connections: the current one, and one that opened as stop() came."""
+        return [c for c in (self.conn, self._orphan) if c is not None]
 
     # ---------------------------------------------------------------- what it can take
     @property

@@ -28,7 +28,7 @@ from ..spec import SPECS, ModelSpec, spec_for
 from ..text import split_sentences
 from ..types import AudioChunk, Speech, SpeechOptions
 from . import protocol
-from .connection import CLOSE_TIMEOUT_S, Connection, Item, to_mailbox
+from .connection import API_KEY_ENV, CLOSE_TIMEOUT_S, Connection, Item, to_mailbox
 from .upstream import Upstream, choose, server_urls
 
 
@@ -118,7 +118,8 @@ class RemoteEngine:
         self._closed = False
         self._counters: collections.Counter[str] = collections.Counter()
         # The rest belongs to the connection's loop (other threads only read the references).
-        self._upstreams = tuple(Upstream(u, self._connect, backoff_s, self._adopt) for u in urls)
+        posts = (ssl, api_key if api_key is not None else os.environ.get(API_KEY_ENV), connect_timeout_s)
+        self._upstreams = tuple(Upstream(u, self._connect, backoff_s, self._adopt, posts) for u in urls)
         self._turn = 0  # round-robin among equally loaded servers
         self._open: set[_CallerStream] = set()
         self._connected = asyncio.Event()  # set at each new connection and at shutdown: waiters look again
@@ -194,6 +195,7 @@ class RemoteEngine:
                 "connects": u.connects,
                 "last_error": u.last_error,
                 "status": dict(u.status),
+                **u.posts_stats(),
             }
             for u in self._upstreams
         }
@@ -423,8 +425,7 @@ class RemoteEngine:
     def _cancel(self, stream: _CallerStream) -> None:
         self._open.discard(stream)
         if stream.upstream is not None and stream.sid is not None:
-            stream.upstream.ended(stream.conn, stream.sid)
-            stream.conn.cancel(stream.sid)
+            stream.upstream.cancel(stream.conn, stream.sid)
 
     async def _shutdown(self) -> None:
         """Stop reconnecting and close every connection, within about CLOSE_TIMEOUT_S whatever the servers do: a
@@ -435,8 +436,7 @@ class RemoteEngine:
             keeper.cancel()
         if self._keepers:  # each returns at its next step if not at once
             await asyncio.wait(self._keepers, timeout=CLOSE_TIMEOUT_S)
-        closing = [c for u in self._upstreams for c in u.connections()]
-        await asyncio.gather(*(c.aclose(EngineClosedError("RemoteEngine closed")) for c in closing))
+        await asyncio.gather(*(u.aclose(EngineClosedError("RemoteEngine closed")) for u in self._upstreams))
         self._connected.set()  # waiting callers see _closed
         if self._waiters:
             await asyncio.wait(self._waiters, timeout=CLOSE_TIMEOUT_S)

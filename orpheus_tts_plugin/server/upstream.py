@@ -10,11 +10,15 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from ..errors import EngineError
 from . import protocol
 from .connection import Connection, Deliver, endpoint
+
+if TYPE_CHECKING:
+    from .stream_posts import StreamPosts
 
 # Opens one connection to a URL, with the status and close callbacks of its Upstream.
 Connect = Callable[[str, Callable[[dict[str, Any]], None], Callable[[str], None]], Awaitable[Connection]]
@@ -34,6 +38,14 @@ def server_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
     return out
 
 
+def http_base(url: str) -> str | None:
+    """http(s)://HOST:PORT of a server's URL; None for a Unix socket."""
+    parts = urlsplit(endpoint(url)[0])
+    if endpoint(url)[1] is not None:
+        return None
+    return f"{'https' if parts.scheme == 'wss' else 'http'}://{parts.netloc}"
+
+
 class Upstream:
     """One server of a RemoteEngine: its connection (re-opened with its own jittered backoff), its last status,
     and this client's streams started on it since that status (which the status cannot count yet).
@@ -47,7 +59,9 @@ class Upstream:
         connect: Connect,
         backoff_s: tuple[float, float],
         on_up: Callable[[Upstream, Connection], None],
+        posts_options: tuple[Any, ...] = (None, None, 5.0),
     ):
+        """`posts_options`: StreamPosts' (ssl, api_key, connect_timeout_s), for a server that asks for posts."""
         self.url = url
         self.conn: Connection | None = None  # None while not connected
         self.status: dict[str, Any] = {}  # the server's last `status` message
@@ -57,6 +71,9 @@ class Upstream:
         self._backoff = backoff_s
         self._on_up = on_up  # called with each new connection, once it is this Upstream's
         self._unreported: set[int] = set()  # ids (on `conn`) of open streams started since the last status
+        self._posts_base = http_base(url)  # None for a Unix socket: streams then stay on the WebSocket
+        self._posts_options = posts_options
+        self._posts: StreamPosts | None = None  # made at the first stream a server asks to be posted
         self._orphan: Connection | None = None  # a connection that opened as stop() came (never adopted)
         self._stopping = asyncio.Event()  # set once by stop(): keep_connected returns, whatever it was awaiting
 
@@ -115,18 +132,50 @@ class Upstream:
 
     # ---------------------------------------------------------------- streams
     def start(self, request: protocol.Start, deliver: Deliver) -> tuple[Connection, int]:
-        """Start a stream on the current connection (which must be up): (that connection, the stream id)."""
+        """Start a stream on the current connection (which must be up): (that connection, the stream id).
+
+        A server whose hello names `streams_path` (behind Ray Serve's proxy) gets it as an HTTP request of its
+        own, which the proxy routes by itself; the connection then only brings hello and status.
+        """
         conn = self.conn
         if conn is None:
             raise EngineError(f"not connected to {self.url}")
+        if conn.hello.streams_path is not None and self._posts_base is not None:
+            if self._posts is None:
+                from .stream_posts import StreamPosts  # aiohttp: only for servers that ask for it
+
+                self._posts = StreamPosts(self._posts_base, *self._posts_options)
+            return conn, self._posts.start(conn.hello.streams_path, request, deliver)
         sid = conn.start(request, deliver)
         self._unreported.add(sid)
         return conn, sid
+
+    def posts_stats(self) -> dict[str, Any]:
+        """For a server behind Ray Serve: streams started by replica (`replicas`) and HTTP connections opened
+        (`http_connects`); {} otherwise."""
+        if self._posts is None:
+            return {}
+        return {"replicas": dict(self._posts.replicas), "http_connects": self._posts.connects}
+
+    def cancel(self, conn: Connection, sid: int) -> None:
+        """Abort a stream started on `conn` (or posted while it was the connection)."""
+        self.ended(conn, sid)
+        if conn.hello.streams_path is not None and self._posts is not None and sid in self._posts:
+            self._posts.cancel(sid)
+        else:
+            conn.cancel(sid)
 
     def ended(self, conn: Connection, sid: int) -> None:
         """A stream of `conn` ended (or was cancelled): no longer counted on top of the status."""
         if conn is self.conn:
             self._unreported.discard(sid)
+
+    async def aclose(self, error: BaseException) -> None:
+        """Close its connections and end its posted streams with `error` (after stop())."""
+        closing = [c.aclose(error) for c in self.connections()]
+        if self._posts is not None:
+            closing.append(self._posts.aclose(error))
+        await asyncio.gather(*closing)
 
     def _on_status(self, message: dict[str, Any]) -> None:
         self.status = message

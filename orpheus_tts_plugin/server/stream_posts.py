@@ -26,6 +26,10 @@ except ImportError as exc:
     raise missing_extra("server", "RemoteEngine behind Ray Serve", exc) from None
 
 
+RETRIES = 3  # tries of a stream refused at capacity before its first audio
+RETRY_S = 0.05  # the wait before the second try (doubled for the next)
+
+
 class StreamPosts:
     """Streams as HTTP requests to one base URL; every method runs on the loop that created it."""
 
@@ -76,9 +80,17 @@ class StreamPosts:
             await self._session.close()
 
     async def _run(self, sid: int, url: str, request: protocol.Start, deliver: Deliver) -> None:
-        """One stream, from the POST to its end; a cancel (cancel(), aclose()) delivers nothing more."""
+        """One stream, from the POST to its end; a cancel (cancel(), aclose()) delivers nothing more.
+
+        A refusal at capacity before any audio is retried (RETRIES times): the proxy routes on its own count of
+        open requests, which does not know a replica's max_streams, and the next try goes to the least loaded of
+        two replicas again."""
         try:
-            item = await self._read(url, request, deliver)
+            for attempt in range(RETRIES):
+                item, heard = await self._read(url, request, deliver)
+                if heard or not isinstance(item, EngineOverloadedError) or attempt == RETRIES - 1:
+                    break
+                await asyncio.sleep(RETRY_S * 2**attempt)  # a replica that just started may not be routed to yet
         except (aiohttp.ClientError, asyncio.IncompleteReadError, OSError, asyncio.TimeoutError) as exc:
             item = EngineError(f"connection to {url} lost ({type(exc).__name__}: {exc})")
         except (ValueError, KeyError) as exc:  # a broken frame: the stream ends, never hangs
@@ -86,15 +98,16 @@ class StreamPosts:
         self._tasks.pop(sid, None)
         deliver(item)
 
-    async def _read(self, url: str, request: protocol.Start, deliver: Deliver) -> Any:
-        """Stream the response's audio to `deliver`; return what ends it (None: ended, or the error)."""
+    async def _read(self, url: str, request: protocol.Start, deliver: Deliver) -> tuple[Any, bool]:
+        """Stream the response's audio to `deliver`; (what ends it: the final chunk, None or the error, whether
+        any audio came)."""
         async with self._session.post(url, data=protocol.encode(request.message(0))) as resp:
             self.replicas[resp.headers.get(protocol.REPLICA_HEADER, "?")] += 1
             try:
                 if resp.status != 200:
                     text = (await resp.text())[:300]
                     cls = EngineOverloadedError if resp.status in (429, 503) else EngineError
-                    return cls(f"{url} answered HTTP {resp.status}: {text}")
+                    return cls(f"{url} answered HTTP {resp.status}: {text}"), False
                 samples = 0
                 while True:
                     length, kind = protocol.FRAME.unpack(await resp.content.readexactly(protocol.FRAME.size))
@@ -110,7 +123,7 @@ class StreamPosts:
                         message = protocol.decode(payload.decode())
                         end = None if message["type"] == "end" else protocol.exception(message)
                     await resp.read()  # the body's end: read, the connection goes back to the pool
-                    return end
+                    return end, samples > 0
             except asyncio.CancelledError:
                 with contextlib.suppress(Exception):
                     resp.close()  # not given back to the pool: closing it is the cancel

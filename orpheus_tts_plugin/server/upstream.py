@@ -39,11 +39,14 @@ def server_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def http_base(url: str) -> str | None:
-    """http(s)://HOST:PORT of a server's URL; None for a Unix socket."""
-    parts = urlsplit(endpoint(url)[0])
-    if endpoint(url)[1] is not None:
+    """http(s)://HOST:PORT[/PREFIX] of a server's URL (PREFIX: what comes before its WebSocket path, e.g. a Ray
+    Serve route prefix); None for a Unix socket."""
+    uri, path = endpoint(url)
+    if path is not None:
         return None
-    return f"{'https' if parts.scheme == 'wss' else 'http'}://{parts.netloc}"
+    parts = urlsplit(uri)
+    prefix = parts.path[: -len(protocol.WS_PATH)] if parts.path.endswith(protocol.WS_PATH) else ""
+    return f"{'https' if parts.scheme == 'wss' else 'http'}://{parts.netloc}{prefix}"
 
 
 class Upstream:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,12 +39,18 @@ def cluster() -> Iterator[int]:
     """A head and a worker node of one CPU each (so one replica each), Serve's proxy on a free port; yields it."""
     from ray.cluster_utils import Cluster
 
+    # Ray's proxy tries its own node's replicas first, and others only once those refuse: off, as deploy/ sets it,
+    # so that each stream goes to the less loaded of two replicas anywhere (read by each node's proxy at start).
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
+    monkeypatch.setenv("RAY_SERVE_PROXY_PREFER_LOCAL_AZ_ROUTING", "0")
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         nodes.add_node(num_cpus=1)
         ray.init(address=nodes.address, logging_level="warning", log_to_driver=False)
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # One proxy: the nodes share this host's address (a proxy on each would share one port).
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         yield port
     finally:
         try:
@@ -51,6 +58,7 @@ def cluster() -> Iterator[int]:
         finally:
             ray.shutdown()
             nodes.shutdown()
+            monkeypatch.undo()
 
 
 def deploy(test_model_dir: Path, pace: str, **options: Any) -> None:
@@ -71,7 +79,8 @@ def deployed(request: pytest.FixtureRequest, cluster: int, test_model_dir: Path)
     try:
         yield cluster
     finally:
-        serve.delete("orpheus")
+        if "orpheus" in serve.status().applications:
+            serve.delete("orpheus")
 
 
 def get(port: int, path: str) -> tuple[str, dict[str, Any]]:
@@ -115,7 +124,11 @@ async def test_one_processs_streams_spread_over_the_replicas_reuse_connections_a
     try:
         await remote.start()
         streams = [remote.synthesize(LONG, seed=i, max_tokens=1_000_000) for i in range(STREAMS)]
-        await asyncio.gather(*(first(s) for s in streams))  # all open at once
+        # Opened one after another (each once the one before speaks), all open together: the proxy's count of a
+        # replica's open requests is then current at each choice. (Started in the same instant, they crowd: Ray's
+        # router counts what it sends, but each replica's reply overwrites that count with its own, older one.)
+        for s in streams:
+            await first(s)
         spread = remote.stats()["servers"][url]["replicas"]
         assert len(spread) == 2 and all(abs(n - STREAMS / 2) <= 1 for n in spread.values()), spread
         open_streams = {r: s["active_streams"] for r, s in replicas_stats(deployed).items()}
@@ -174,3 +187,59 @@ def test_a_wrong_key_is_one_line_naming_it() -> None:
 
     with pytest.raises(ValueError, match="unknown argument 'max_strems'"):
         app({"max_strems": 4})
+
+
+def replicas_running(name: str) -> int:
+    status = serve.status().applications[name].deployments["orpheus"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+async def test_replicas_scale_up_on_open_streams_and_back_down_when_they_end(
+    cluster: int, test_model_dir: Path
+) -> None:
+    from orpheus_tts_plugin.server.ray import app
+
+    args = {
+        "backend": "synthetic", "model": "", "snac": str(test_model_dir / "snac"), "device": "cpu",
+        "token_rate": PACES["paced"], "frames_per_token": 64, "budget_base": 1_000_000, "max_streams": 4,
+        "min_replicas": 1, "max_replicas": 2, "upscale_delay": 0.5, "downscale_delay": 2, "health_period": 1,
+        "drain_timeout": 5,
+    }  # fmt: skip
+    if "orpheus" in serve.status().applications:  # the spread tests' replicas hold both nodes' CPU
+        serve.delete("orpheus")
+    serve.run(app(args), name="scaling", route_prefix="/scaling")  # target: 3 open streams a replica
+    url = f"ws://127.0.0.1:{cluster}/scaling{protocol.WS_PATH}"
+    remote = RemoteEngine(url)
+    timeline: list[tuple[float, str]] = []
+    began = time.monotonic()
+
+    def mark(event: str) -> None:
+        timeline.append((round(time.monotonic() - began, 2), event))
+
+    try:
+        assert replicas_running("scaling") == 1
+        await remote.start()
+        held = [remote.synthesize(LONG, seed=i, max_tokens=1_000_000) for i in range(4)]
+        await asyncio.gather(*(first(s) for s in held))
+        (old,) = remote.stats()["servers"][url]["replicas"]
+        mark("4 streams open on one replica")
+        await until(lambda: replicas_running("scaling") == 2, 120)
+        mark("second replica running")
+        await until(lambda: get(cluster, "/scaling/health")[0] != old, 60)  # the least loaded: the new one
+        mark("the proxy routes to it")
+        more = [remote.synthesize(LONG, seed=10 + i, max_tokens=1_000_000) for i in range(4)]
+        await asyncio.gather(*(first(s) for s in more))
+        spread = remote.stats()["servers"][url]["replicas"]
+        mark(f"4 more streams: by replica {sorted(spread.values())}")
+        assert len(spread) == 2  # the new replica serves
+        for s in held + more:
+            await s.aclose()
+        mark("streams ended")
+        await until(lambda: replicas_running("scaling") == 1, 120)
+        mark("back to one replica")
+        whole = await heard(remote.synthesize(TEXT, seed=99))
+        assert whole[-1].final
+    finally:
+        print("autoscale timeline:", timeline)
+        await remote.aclose()
+        serve.delete("scaling")

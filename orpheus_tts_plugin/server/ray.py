@@ -70,6 +70,7 @@ def parse(args: dict[str, Any]) -> tuple[argparse.Namespace, dict[str, float]]:
         "downscale_delay": 600.0,
         "health_period": 10.0,
         "gpus": None,
+        "cpus": None,
     }
     ray_options: dict[str, Any] = dict(ray_keys)
     known = {action.dest for action in parser._actions} - set(SERVE_ONLY)
@@ -105,7 +106,7 @@ def app(args: dict[str, Any]) -> Application:
     config = serve_cli.engine_config(parsed)
     target = o["target_streams"] or max(1, math.ceil(TARGET_SHARE * config.max_streams))
     gpus = o["gpus"] if o["gpus"] is not None else (0.0 if config.device == "cpu" else 1.0)
-    actor = {"num_gpus": gpus} if gpus else {"num_cpus": float(parsed.cpus and len(parsed.cpus) or 1)}
+    actor = {"num_gpus": gpus} if gpus else {"num_cpus": o["cpus"] or 1.0}
     deployment = serve.deployment(
         serve.ingress(None)(OrpheusReplica),
         name="orpheus",

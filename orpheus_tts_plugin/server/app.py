@@ -16,12 +16,13 @@ try:
     from fastapi.responses import JSONResponse, Response
     from starlette.datastructures import Headers
     from starlette.exceptions import HTTPException
-    from starlette.types import ASGIApp, Receive, Scope, Send
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 except ImportError as exc:
     raise missing_extra("server", "orpheus-tts serve", exc) from None
 
 from . import protocol, voices
 from .http_errors import error_json
+from .http_stream import http_stream
 from .mux import Mux
 from .policy import Policy, bearer
 from .service import Service
@@ -30,13 +31,16 @@ from .speech import speech
 STATUS_INTERVAL_S = 0.25  # how often load changes are pushed to WebSocket clients
 
 
-def create_app(engine: OrpheusEngine, *, own_engine: bool = True, policy: Policy | None = None) -> FastAPI:
+def create_app(
+    engine: OrpheusEngine, *, own_engine: bool = True, policy: Policy | None = None, replica: str | None = None
+) -> FastAPI:
     """An app serving `engine` under `policy` (keys, limits); it starts loading the engine on start-up and, if
-    `own_engine`, closes it on exit.
+    `own_engine`, closes it on exit. `replica`: its name among the replicas behind a balancing proxy (Ray
+    Serve): every HTTP response then says it (X-Orpheus-Replica), as does every WebSocket hello.
 
     `app.state.service` is the `Service` (drain, readiness, metrics) that `serve.py` drives.
     """
-    service = Service(engine, policy)
+    service = Service(engine, policy, replica)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -54,6 +58,8 @@ def create_app(engine: OrpheusEngine, *, own_engine: bool = True, policy: Policy
     app = FastAPI(title="orpheus-tts serve", lifespan=lifespan)
     app.state.service = service
     app.add_middleware(KeyGuard, service=service)
+    if replica is not None:
+        app.add_middleware(ReplicaHeader, replica=replica)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> Response:
@@ -66,6 +72,10 @@ def create_app(engine: OrpheusEngine, *, own_engine: bool = True, policy: Policy
     @app.websocket(protocol.WS_PATH)
     async def stream(websocket: WebSocket) -> None:
         await Mux(websocket, service).run()
+
+    @app.post(protocol.STREAMS_PATH)
+    async def one_stream(request: Request) -> Response:
+        return await http_stream(request, service, request.scope.get("orpheus.key"))
 
     @app.post("/v1/audio/speech")
     async def audio_speech(request: Request) -> Response:
@@ -132,3 +142,23 @@ class KeyGuard:
         if self.service.policy.api_keys:
             scope["orpheus.key"] = presented
         await self.app(scope, receive, send)
+
+
+class ReplicaHeader:
+    """ASGI middleware: every HTTP response names the replica that served it (`protocol.REPLICA_HEADER`)."""
+
+    def __init__(self, app: ASGIApp, replica: str):
+        self.app = app
+        self.header = (protocol.REPLICA_HEADER.lower().encode(), replica.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, named)

@@ -28,8 +28,11 @@ from ..spec import SPECS, ModelSpec, spec_for
 from ..text import split_sentences
 from ..types import AudioChunk, Speech, SpeechOptions
 from . import protocol
-from .connection import Connection, Item, to_mailbox
+from .connection import API_KEY_ENV, CLOSE_TIMEOUT_S, Connection, Item, to_mailbox
 from .upstream import Upstream, choose, server_urls
+
+SETTLE_POLL_S = 0.01  # start(): how often it looks whether the servers not yet connected have failed once
+SETTLE_S = 0.5  # start(): how long, after the first server answered, the others have to answer too
 
 
 @dataclass(frozen=True)
@@ -118,11 +121,14 @@ class RemoteEngine:
         self._closed = False
         self._counters: collections.Counter[str] = collections.Counter()
         # The rest belongs to the connection's loop (other threads only read the references).
-        self._upstreams = tuple(Upstream(u, self._connect, backoff_s, self._adopt) for u in urls)
+        posts = (ssl, api_key if api_key is not None else os.environ.get(API_KEY_ENV), connect_timeout_s)
+        self._upstreams = tuple(Upstream(u, self._connect, backoff_s, self._adopt, posts) for u in urls)
         self._turn = 0  # round-robin among equally loaded servers
         self._open: set[_CallerStream] = set()
         self._connected = asyncio.Event()  # set at each new connection and at shutdown: waiters look again
         self._keepers: list[asyncio.Task[None]] = []
+        self._waiters: set[asyncio.Task[Any]] = set()  # start()s waiting for a connection
+        self._spread_once = False  # a start() has seen every server answer (or waited SETTLE_S for them)
         self._outbox: Outbox[_CallerStream] = Outbox()  # the connection's loop only
 
     @classmethod
@@ -140,9 +146,10 @@ class RemoteEngine:
 
     async def start(self, *, every_server: bool = False) -> None:
         """Wait until connected to a server (to each, if `every_server`), up to `connect_timeout_s`; EngineError
-        naming the servers that cannot be reached."""
+        naming the servers that cannot be reached. With several servers it also waits, within that time, until
+        each has connected or failed once, so that a burst of streams right after it spreads over them all."""
         self._ensure_thread()
-        if not self._reached(every_server):
+        if not (self._reached(every_server) and (self._settled() or self._spread_once)):
             await self._thread.run(self._wait_up(self._connect_timeout_s, every_server))
 
     @property
@@ -193,6 +200,7 @@ class RemoteEngine:
                 "connects": u.connects,
                 "last_error": u.last_error,
                 "status": dict(u.status),
+                **u.posts_stats(),
             }
             for u in self._upstreams
         }
@@ -307,6 +315,10 @@ class RemoteEngine:
         with self._lock:
             self._counters[key] += 1
 
+    def _settled(self) -> bool:
+        """Every server has connected or failed at least once (a burst then sees them all)."""
+        return all(u.conn is not None or u.last_error is not None for u in self._upstreams)
+
     def _reached(self, every_server: bool) -> bool:
         """Connected to a server (to every one, if `every_server`)."""
         connected = (u.conn is not None for u in self._upstreams)
@@ -385,18 +397,32 @@ class RemoteEngine:
         self._connected.set()
 
     async def _wait_up(self, timeout_s: float, every_server: bool) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while not self._reached(every_server) and not self._closed:
-            self._connected.clear()
-            try:
-                await asyncio.wait_for(self._connected.wait(), deadline - asyncio.get_running_loop().time())
-            except asyncio.TimeoutError:
-                unreached = ",".join(u.url for u in self._upstreams if u.conn is None) if every_server else None
-                raise EngineError(
-                    f"cannot reach {unreached or self.config.url} within {timeout_s:g} s: {self._why_down('no answer')}"
-                ) from None
-        if self._closed:
-            raise EngineClosedError("RemoteEngine is closed")
+        waiter = asyncio.current_task()
+        self._waiters.add(waiter)  # _shutdown lets it see _closed before the loop stops: its caller gets an answer
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while not (self._reached(every_server) and (self._settled() or self._spread_once)) and not self._closed:
+                if self._reached(every_server):  # the others get a short while to answer, then are left to retry
+                    deadline = min(deadline, loop.time() + SETTLE_S)
+                    if loop.time() >= deadline:
+                        break
+                self._connected.clear()
+                # A failed attempt sets no event: look again soon while some server has not answered yet.
+                wait = deadline - loop.time() if not self._reached(every_server) else SETTLE_POLL_S
+                try:
+                    await asyncio.wait_for(self._connected.wait(), max(0.0, min(wait, deadline - loop.time())))
+                except asyncio.TimeoutError:
+                    if self._reached(every_server):
+                        continue
+                    unreached = ",".join(u.url for u in self._upstreams if u.conn is None) if every_server else None
+                    where, why = unreached or self.config.url, self._why_down("no answer")
+                    raise EngineError(f"cannot reach {where} within {timeout_s:g} s: {why}") from None
+            if self._closed:
+                raise EngineClosedError("RemoteEngine is closed")
+            self._spread_once = True
+        finally:
+            self._waiters.discard(waiter)
 
     def _begin(self, stream: _CallerStream, request: protocol.Start) -> None:
         if stream.closed:
@@ -419,15 +445,19 @@ class RemoteEngine:
     def _cancel(self, stream: _CallerStream) -> None:
         self._open.discard(stream)
         if stream.upstream is not None and stream.sid is not None:
-            stream.upstream.ended(stream.conn, stream.sid)
-            stream.conn.cancel(stream.sid)
+            stream.upstream.cancel(stream.conn, stream.sid)
 
     async def _shutdown(self) -> None:
+        """Stop reconnecting and close every connection, within about CLOSE_TIMEOUT_S whatever the servers do: a
+        dead, stopped or unreachable server holds nothing open here (aclose() must not hang on it)."""
+        for upstream in self._upstreams:
+            upstream.stop()
         for keeper in self._keepers:
             keeper.cancel()
-        await asyncio.gather(*self._keepers, return_exceptions=True)
-        for upstream in self._upstreams:
-            if upstream.conn is not None:
-                await upstream.conn.aclose(EngineClosedError("RemoteEngine closed"))
+        if self._keepers:  # each returns at its next step if not at once
+            await asyncio.wait(self._keepers, timeout=CLOSE_TIMEOUT_S)
+        await asyncio.gather(*(u.aclose(EngineClosedError("RemoteEngine closed")) for u in self._upstreams))
         self._connected.set()  # waiting callers see _closed
+        if self._waiters:
+            await asyncio.wait(self._waiters, timeout=CLOSE_TIMEOUT_S)
         self._flush()

@@ -31,6 +31,10 @@ from ..types import AudioChunk
 
 PROTOCOL_VERSION = 1
 WS_PATH = "/v1/stream"
+STREAMS_PATH = "/v1/streams"  # one stream per HTTP POST (a `start` body), its messages framed (`frame`)
+REPLICA_HEADER = "X-Orpheus-Replica"  # names the replica that answered, on every HTTP response (Ray Serve)
+FRAME = struct.Struct("<IB")  # an HTTP stream's message: payload length, kind (FRAME_AUDIO or FRAME_JSON)
+FRAME_AUDIO, FRAME_JSON = 0, 1
 HEADER = struct.Struct("<IBI")  # stream id, flags, sentence index: 9 bytes before the PCM of every audio frame
 FINAL = 0x01  # the stream's last frame
 UTTERANCE_END = 0x02  # the last frame of a sentence (AudioChunk.utterance_end)
@@ -182,11 +186,18 @@ class Hello:
     sentence_max_chars: int  # how the server splits text into sentences (AudioChunk.utterance indexes them)
     protocol: int = PROTOCOL_VERSION
     adapters: tuple[str, ...] = ()  # its LoRA adapters (EngineConfig.adapters); their voices are among `voices`
+    replica: str | None = None  # the replica serving this connection, under Ray Serve (None: a lone server)
+    # Where to POST each stream instead (STREAMS_PATH), when a proxy in front balances requests but routes a
+    # WebSocket once, for its whole life (Ray Serve): None: streams go on this WebSocket.
+    streams_path: str | None = None
 
     def message(self) -> dict[str, Any]:
         out = asdict(self)
         out["voices"] = list(self.voices)
         out["adapters"] = list(self.adapters)
+        for optional in ("replica", "streams_path"):  # absent when unset: the hello older clients know
+            if out[optional] is None:
+                del out[optional]
         return {"type": "hello", **out}
 
     @classmethod
@@ -208,6 +219,17 @@ class Hello:
                 sample_rate=int(message["sample_rate"]),
                 sentence_max_chars=int(message["sentence_max_chars"]),
                 adapters=tuple(message.get("adapters") or ()),  # absent: a server without adapters
+                replica=message.get("replica"),
+                streams_path=message.get("streams_path"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed hello: {exc!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------- HTTP streams
+def frame(message: str | bytes) -> bytes:
+    """One message of an HTTP stream's body: an audio frame (bytes) or a JSON message (str), length-prefixed."""
+    if isinstance(message, str):
+        payload = message.encode()
+        return FRAME.pack(len(payload), FRAME_JSON) + payload
+    return FRAME.pack(len(message), FRAME_AUDIO) + message

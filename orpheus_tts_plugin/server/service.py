@@ -32,9 +32,11 @@ class Subscriber(Protocol):
 class Service:
     """One engine behind the server; every method runs on the server's (uvicorn's) event loop."""
 
-    def __init__(self, engine: OrpheusEngine, policy: Policy | None = None):
+    def __init__(self, engine: OrpheusEngine, policy: Policy | None = None, replica: str | None = None):
+        """`replica`: this server's name among replicas behind a balancing proxy (Ray Serve), else None."""
         self.engine = engine
         self.policy = policy or Policy()
+        self.replica = replica
         self.draining = False  # server loop only: set once by drain(), never cleared
         self.subscribers: set[Subscriber] = set()  # server loop only: the open WebSocket connections
         self.key_streams: collections.Counter[str] = collections.Counter()  # server loop only: open streams by key
@@ -53,6 +55,9 @@ class Service:
             sample_rate=SAMPLE_RATE,
             sentence_max_chars=cfg.sentence_max_chars,
             adapters=cfg.adapter_names,
+            replica=self.replica,
+            # Behind a proxy that routes a WebSocket once, its clients POST each stream: balanced one by one.
+            streams_path=protocol.STREAMS_PATH if self.replica is not None else None,
         )
 
     def readiness(self) -> tuple[bool, str]:

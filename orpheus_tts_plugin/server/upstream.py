@@ -7,13 +7,18 @@ drains or its engine does not serve (the server checks its status every `app.STA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from ..errors import EngineError
 from . import protocol
 from .connection import Connection, Deliver, endpoint
+
+if TYPE_CHECKING:
+    from .stream_posts import StreamPosts
 
 # Opens one connection to a URL, with the status and close callbacks of its Upstream.
 Connect = Callable[[str, Callable[[dict[str, Any]], None], Callable[[str], None]], Awaitable[Connection]]
@@ -33,6 +38,17 @@ def server_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
     return out
 
 
+def http_base(url: str) -> str | None:
+    """http(s)://HOST:PORT[/PREFIX] of a server's URL (PREFIX: what comes before its WebSocket path, e.g. a Ray
+    Serve route prefix); None for a Unix socket."""
+    uri, path = endpoint(url)
+    if path is not None:
+        return None
+    parts = urlsplit(uri)
+    prefix = parts.path[: -len(protocol.WS_PATH)] if parts.path.endswith(protocol.WS_PATH) else ""
+    return f"{'https' if parts.scheme == 'wss' else 'http'}://{parts.netloc}{prefix}"
+
+
 class Upstream:
     """One server of a RemoteEngine: its connection (re-opened with its own jittered backoff), its last status,
     and this client's streams started on it since that status (which the status cannot count yet).
@@ -46,7 +62,9 @@ class Upstream:
         connect: Connect,
         backoff_s: tuple[float, float],
         on_up: Callable[[Upstream, Connection], None],
+        posts_options: tuple[Any, ...] = (None, None, 5.0),
     ):
+        """`posts_options`: StreamPosts' (ssl, api_key, connect_timeout_s), for a server that asks for posts."""
         self.url = url
         self.conn: Connection | None = None  # None while not connected
         self.status: dict[str, Any] = {}  # the server's last `status` message
@@ -56,25 +74,48 @@ class Upstream:
         self._backoff = backoff_s
         self._on_up = on_up  # called with each new connection, once it is this Upstream's
         self._unreported: set[int] = set()  # ids (on `conn`) of open streams started since the last status
+        self._posts_base = http_base(url)  # None for a Unix socket: streams then stay on the WebSocket
+        self._posts_options = posts_options
+        self._posts: StreamPosts | None = None  # made at the first stream a server asks to be posted
+        self._orphan: Connection | None = None  # a connection that opened as stop() came (never adopted)
+        self._stopping = asyncio.Event()  # set once by stop(): keep_connected returns, whatever it was awaiting
 
     async def keep_connected(self) -> None:
-        """Connect, serve until the socket closes, reconnect with jittered exponential backoff; until cancelled."""
+        """Connect, serve until the socket closes, reconnect with jittered exponential backoff; until stop().
+
+        It checks `stop()`'s flag after every await rather than relying on cancellation alone: Python 3.11's
+        `asyncio.wait_for` drops a cancel that arrives as its awaitable finishes (a refused connect returns at
+        once), and the loop then went on reconnecting for ever, hanging `RemoteEngine.aclose()`.
+        """
         first, longest = self._backoff
         delay = first
-        while True:
+        while not self._stopping.is_set():
             try:
                 conn = await self._connect(self.url, self._on_status, self._on_close)
             except EngineError as exc:
                 self.last_error = str(exc)
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                with contextlib.suppress(asyncio.TimeoutError):  # the backoff, cut short by stop()
+                    await asyncio.wait_for(self._stopping.wait(), delay * random.uniform(0.8, 1.2))
                 delay = min(2 * delay, longest)
                 continue
+            if self._stopping.is_set():  # connected as stop() came: not adopted, closed by the caller of stop()
+                self._orphan = conn
+                return
             delay = first
             self.status, self.conn = conn.status, conn
             self._unreported.clear()
             self.connects += 1
             self._on_up(self, conn)
-            await conn.closed
+            await asyncio.shield(conn.closed)  # a cancel must not cancel the connection's own future
+
+    def stop(self) -> None:
+        """Stop reconnecting: keep_connected returns at its next step (its owner also cancels it, to end the step
+        it is in); the open connection stays for the owner to close: `connections()` lists it."""
+        self._stopping.set()
+
+    def connections(self) -> list[Connection]:
+        """Its connections: the current one, and one that opened as stop() came."""
+        return [c for c in (self.conn, self._orphan) if c is not None]
 
     # ---------------------------------------------------------------- what it can take
     @property
@@ -94,18 +135,50 @@ class Upstream:
 
     # ---------------------------------------------------------------- streams
     def start(self, request: protocol.Start, deliver: Deliver) -> tuple[Connection, int]:
-        """Start a stream on the current connection (which must be up): (that connection, the stream id)."""
+        """Start a stream on the current connection (which must be up): (that connection, the stream id).
+
+        A server whose hello names `streams_path` (behind Ray Serve's proxy) gets it as an HTTP request of its
+        own, which the proxy routes by itself; the connection then only brings hello and status.
+        """
         conn = self.conn
         if conn is None:
             raise EngineError(f"not connected to {self.url}")
+        if conn.hello.streams_path is not None and self._posts_base is not None:
+            if self._posts is None:
+                from .stream_posts import StreamPosts  # aiohttp: only for servers that ask for it
+
+                self._posts = StreamPosts(self._posts_base, *self._posts_options)
+            return conn, self._posts.start(conn.hello.streams_path, request, deliver)
         sid = conn.start(request, deliver)
         self._unreported.add(sid)
         return conn, sid
+
+    def posts_stats(self) -> dict[str, Any]:
+        """For a server behind Ray Serve: streams started by replica (`replicas`) and HTTP connections opened
+        (`http_connects`); {} otherwise."""
+        if self._posts is None:
+            return {}
+        return {"replicas": dict(self._posts.replicas), "http_connects": self._posts.connects}
+
+    def cancel(self, conn: Connection, sid: int) -> None:
+        """Abort a stream started on `conn` (or posted while it was the connection)."""
+        self.ended(conn, sid)
+        if conn.hello.streams_path is not None and self._posts is not None and sid in self._posts:
+            self._posts.cancel(sid)
+        else:
+            conn.cancel(sid)
 
     def ended(self, conn: Connection, sid: int) -> None:
         """A stream of `conn` ended (or was cancelled): no longer counted on top of the status."""
         if conn is self.conn:
             self._unreported.discard(sid)
+
+    async def aclose(self, error: BaseException) -> None:
+        """Close its connections and end its posted streams with `error` (after stop())."""
+        closing = [c.aclose(error) for c in self.connections()]
+        if self._posts is not None:
+            closing.append(self._posts.aclose(error))
+        await asyncio.gather(*closing)
 
     def _on_status(self, message: dict[str, Any]) -> None:
         self.status = message

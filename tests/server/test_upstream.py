@@ -156,6 +156,19 @@ async def test_a_burst_of_starts_fills_the_least_loaded_servers_evenly_before_an
             await remote.aclose()
 
 
+async def test_a_burst_right_after_start_spreads_over_every_server(config: EngineConfig) -> None:
+    with servers(config, 3) as served:
+        remote = RemoteEngine([s.url for s in served])
+        try:
+            await remote.start()  # one server is enough to return; the others answer within its short wait
+            ours = hold(remote, 12)
+            await until(lambda: sum(s.open() for s in served) == 12)
+            assert [s.open() for s in served] == [4, 4, 4]  # seen 6/0/6 when start() returned at the first
+            await end(ours)
+        finally:
+            await remote.aclose()
+
+
 async def test_new_streams_go_to_the_least_loaded_server(config: EngineConfig) -> None:
     with servers(config, 3) as served:
         a, b, c = served

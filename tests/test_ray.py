@@ -1,0 +1,243 @@
+"""`orpheus-tts serve` on Ray Serve, on a local Ray cluster of two nodes (one replica a node): the replica's name on
+every response, streams of one RemoteEngine spread one by one over the replicas through Ray's proxy, connections
+reused and a cancel aborting its stream, and `ray` an optional extra.
+
+One cluster for the module (Ray is heavy on two cores), shut down whatever happens; each pace (synthetic tokens
+faster than decoding, and slower) deploys the application once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orpheus_tts_plugin import RemoteEngine
+from orpheus_tts_plugin.server import protocol
+from orpheus_tts_plugin.tools.loopback import free_port
+from tests.server.harness import PACES, TEXT
+from tests.servers import until
+
+ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
+serve = pytest.importorskip("ray.serve")
+
+REPO = Path(__file__).resolve().parents[1]
+STREAMS = 8
+LONG = " ".join([TEXT] * 20)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[int]:
+    """A head and a worker node of one CPU each (so one replica each), Serve's proxy on a free port; yields it."""
+    from ray.cluster_utils import Cluster
+
+    # Ray's proxy tries its own node's replicas first, and others only once those refuse: off, as deploy/ sets it,
+    # so that each stream goes to the less loaded of two replicas anywhere (read by each node's proxy at start).
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
+    monkeypatch.setenv("RAY_SERVE_PROXY_PREFER_LOCAL_AZ_ROUTING", "0")
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        nodes.add_node(num_cpus=1)
+        ray.init(address=nodes.address, logging_level="warning", log_to_driver=False)
+        port = free_port()
+        # One proxy: the nodes share this host's address (a proxy on each would share one port).
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        yield port
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            nodes.shutdown()
+            monkeypatch.undo()
+
+
+def deploy(test_model_dir: Path, pace: str, **options: Any) -> None:
+    from orpheus_tts_plugin.server.ray import app
+
+    args = {
+        "backend": "synthetic", "model": "", "snac": str(test_model_dir / "snac"), "device": "cpu",
+        "token_rate": PACES[pace], "frames_per_token": 64, "budget_base": 1_000_000, "max_streams": STREAMS,
+        "min_replicas": 2, "max_replicas": 2, "health_period": 1, "drain_timeout": 5, **options,
+    }  # fmt: skip
+    serve.run(app(args), name="orpheus", route_prefix="/")
+
+
+@pytest.fixture(scope="module", params=list(PACES))
+def deployed(request: pytest.FixtureRequest, cluster: int, test_model_dir: Path) -> Iterator[int]:
+    """Two replicas of the synthetic engine at this pace behind the proxy; yields the proxy's port."""
+    deploy(test_model_dir, request.param)
+    try:
+        yield cluster
+    finally:
+        if "orpheus" in serve.status().applications:
+            serve.delete("orpheus")
+
+
+def get(port: int, path: str) -> tuple[str, dict[str, Any]]:
+    """(the replica that answered, the JSON body) of GET path through the proxy."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+        return resp.headers[protocol.REPLICA_HEADER], json.loads(resp.read())
+
+
+def replicas_stats(port: int, tries: int = 40) -> dict[str, dict[str, Any]]:
+    """The /stats of the replicas that answered `tries` GETs through the proxy (it sends each to the less loaded of
+    the two, so a busier replica answers only once they are level)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(tries):
+        replica, stats = get(port, "/stats")
+        seen.setdefault(replica, stats)
+    return seen
+
+
+async def first(stream: Any) -> None:
+    await asyncio.wait_for(stream.__anext__(), 60)
+
+
+async def test_every_response_and_every_hello_names_its_replica(deployed: int) -> None:
+    names = {get(deployed, "/health")[0] for _ in range(30)}
+    assert len(names) == 2 and all(names)
+    remote = RemoteEngine(f"ws://127.0.0.1:{deployed}")
+    try:
+        await remote.start()
+        hello = remote._upstreams[0].conn.hello
+        assert hello.replica in names and hello.streams_path == protocol.STREAMS_PATH
+    finally:
+        await remote.aclose()
+
+
+async def test_one_processs_streams_spread_over_the_replicas_reuse_connections_and_a_cancel_aborts(
+    deployed: int,
+) -> None:
+    url = f"ws://127.0.0.1:{deployed}"
+    remote = RemoteEngine(url)
+    try:
+        await remote.start()
+        streams = [remote.synthesize(LONG, seed=i, max_tokens=1_000_000) for i in range(STREAMS)]
+        # Opened one after another (each once the one before speaks), all open together: the proxy's count of a
+        # replica's open requests is then current at each choice. (Started in the same instant, they crowd: Ray's
+        # router counts what it sends, but each replica's reply overwrites that count with its own, older one.)
+        for s in streams:
+            await first(s)
+        spread = remote.stats()["servers"][url]["replicas"]
+        assert len(spread) == 2 and all(abs(n - STREAMS / 2) <= 1 for n in spread.values()), spread
+
+        for s in streams:  # leaving early: each stream's request is cancelled, its engine stream aborted
+            await s.aclose()
+        idle = lambda: [s["active_streams"] for s in replicas_stats(deployed).values()] == [0, 0]  # noqa: E731
+        await until(idle, 20)  # both replicas' engines: every stream aborted
+        connects = remote.stats()["servers"][url]["http_connects"]
+        assert connects == STREAMS  # one connection each, closed by its cancel
+
+        whole = await asyncio.gather(*(heard(remote.synthesize(TEXT, seed=i)) for i in range(4)))
+        assert all(chunks[-1].final for chunks in whole)
+        reused = await asyncio.gather(*(heard(remote.synthesize(TEXT, seed=i)) for i in range(4)))
+        assert all(chunks[-1].final for chunks in reused)
+        assert remote.stats()["servers"][url]["http_connects"] == connects + 4  # the second four reused them
+    finally:
+        await remote.aclose()
+
+
+async def heard(stream: Any) -> list[Any]:
+    return [chunk async for chunk in stream]
+
+
+def test_the_package_and_serve_work_without_ray_and_the_ray_app_names_its_extra() -> None:
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import orpheus_tts_plugin, orpheus_tts_plugin.server.app, orpheus_tts_plugin.server.serve\n"
+        "from orpheus_tts_plugin.cli import build_parser\n"
+        "build_parser().parse_args(['serve', '--backend', 'synthetic'])\n"
+        "try:\n    import orpheus_tts_plugin.server.ray\nexcept ImportError as e:\n    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = (done.stdout + done.stderr).strip()
+    assert done.returncode == 0 and out.count("\n") == 0 and "orpheus-tts-plugin[ray]" in out, out
+
+
+def test_the_serve_config_file_builds_the_application(test_model_dir: Path) -> None:
+    import yaml
+
+    from orpheus_tts_plugin.server.ray import app
+
+    config = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
+    (application,) = config["applications"]
+    assert application["import_path"] == "orpheus_tts_plugin.server.ray:app"
+    built = app({**application["args"], "snac": str(test_model_dir / "snac")})
+    deployment = built._bound_deployment
+    assert deployment.ray_actor_options["num_gpus"] == 1
+    scaling = deployment._deployment_config.autoscaling_config
+    assert scaling.min_replicas == application["args"]["min_replicas"]
+    assert deployment._deployment_config.graceful_shutdown_timeout_s >= 300
+
+
+def test_a_wrong_key_is_one_line_naming_it() -> None:
+    from orpheus_tts_plugin.server.ray import app
+
+    with pytest.raises(ValueError, match="unknown argument 'max_strems'"):
+        app({"max_strems": 4})
+
+
+def replicas_running(name: str) -> int:
+    status = serve.status().applications[name].deployments["orpheus"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+async def test_replicas_scale_up_on_open_streams_and_back_down_when_they_end(
+    cluster: int, test_model_dir: Path
+) -> None:
+    from orpheus_tts_plugin.server.ray import app
+
+    args = {
+        "backend": "synthetic", "model": "", "snac": str(test_model_dir / "snac"), "device": "cpu",
+        "token_rate": PACES["paced"], "frames_per_token": 64, "budget_base": 1_000_000, "max_streams": 4,
+        "min_replicas": 1, "max_replicas": 2, "upscale_delay": 0.5, "downscale_delay": 2, "health_period": 1,
+        "drain_timeout": 5,
+    }  # fmt: skip
+    if "orpheus" in serve.status().applications:  # the spread tests' replicas hold both nodes' CPU
+        serve.delete("orpheus")
+    serve.run(app(args), name="scaling", route_prefix="/scaling")  # target: 3 open streams a replica
+    url = f"ws://127.0.0.1:{cluster}/scaling{protocol.WS_PATH}"
+    remote = RemoteEngine(url)
+    timeline: list[tuple[float, str]] = []
+    began = time.monotonic()
+
+    def mark(event: str) -> None:
+        timeline.append((round(time.monotonic() - began, 2), event))
+
+    try:
+        assert replicas_running("scaling") == 1
+        await remote.start()
+        held = [remote.synthesize(LONG, seed=i, max_tokens=1_000_000) for i in range(4)]
+        await asyncio.gather(*(first(s) for s in held))
+        (old,) = remote.stats()["servers"][url]["replicas"]
+        mark("4 streams open on one replica")
+        await until(lambda: replicas_running("scaling") == 2, 120)
+        mark("second replica running")
+        await until(lambda: get(cluster, "/scaling/health")[0] != old, 60)  # the least loaded: the new one
+        mark("the proxy routes to it")
+        more = [remote.synthesize(LONG, seed=10 + i, max_tokens=1_000_000) for i in range(4)]
+        await asyncio.gather(*(first(s) for s in more))
+        spread = remote.stats()["servers"][url]["replicas"]
+        mark(f"4 more streams: by replica {sorted(spread.values())}")
+        assert len(spread) == 2  # the new replica serves
+        for s in held + more:
+            await s.aclose()
+        mark("streams ended")
+        await until(lambda: replicas_running("scaling") == 1, 120)
+        mark("back to one replica")
+        whole = await heard(remote.synthesize(TEXT, seed=99))
+        assert whole[-1].final
+    finally:
+        print("autoscale timeline:", timeline)
+        await remote.aclose()
+        serve.delete("scaling")

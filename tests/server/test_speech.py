@@ -76,13 +76,21 @@ def test_bad_http_requests_are_refused_with_400_naming_the_field(
         assert "tara" in error["message"]
 
 
-async def test_closing_the_http_response_aborts_the_engine_request(long_served: ServerThread) -> None:
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+async def test_closing_the_http_response_aborts_the_engine_request_within_one_step(
+    long_served: ServerThread, stream_format: str
+) -> None:
     from openai import AsyncOpenAI
 
     before = engine_of(long_served).stats()["backend"].get("aborted", 0)
     client = AsyncOpenAI(base_url=long_served.http_url + "/v1", api_key="unused", max_retries=0)
     async with client.audio.speech.with_streaming_response.create(
-        model="m", voice="tara", input=TEXT, response_format="pcm", extra_body={"max_tokens": 1_000_000}
+        model="m",
+        voice="tara",
+        input=TEXT,
+        response_format="pcm",
+        stream_format=stream_format,
+        extra_body={"max_tokens": 1_000_000},
     ) as response:
         async for _ in response.iter_bytes():
             break  # leaving the block closes the connection

@@ -31,7 +31,7 @@ EPILOGUES = {
         "await voice.engine.start()\n"
         "assert [ev async for ev in voice.synthesize('Hello there.')]\n"
     ),
-    "from openai import OpenAI": "import os\nassert os.path.getsize('hello.wav') > 44  # a WAV header and audio\n",
+    "from openai import OpenAI": "import av\nassert av.open('hello.mp3').streams.audio[0].sample_rate == 24000\n",
     "from orpheus_tts_plugin import EngineConfig, OrpheusEngine\n": "assert chunk.sample_rate == 24000\n",
     "from pipecat.frames.frames import EndFrame, TTSSpeakFrame": "assert engine.stats()['streams_started'] >= 1\n",
 }

@@ -41,14 +41,6 @@ KINDS = "run|server|check|signature of|covered by|text"
 MARKER = re.compile(rf"^\s*<!-- doc-test: (?P<kind>{KINDS})\b\s*(?P<note>.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)```(?P<lang>\S*)\s*$")
 DOC_PORT = "8880"  # the port the docs' servers and clients use; a free one in the test
-# Sections of docs/serving.md whose blocks other work owns and marks (OpenAI speech, scaling out, load balancers):
-# their unmarked blocks are checked as `check` until they are marked.
-UNMARKED_ALLOWED = {
-    ("docs/serving.md", "Endpoints"),
-    ("docs/serving.md", "Several servers"),
-    ("docs/serving.md", "Scaling out"),
-    ("docs/serving.md", "LiveKit dispatch by load"),
-}
 
 
 @dataclass(frozen=True)

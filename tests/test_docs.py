@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from orpheus_tts_plugin.tools.loopback import free_port
-from tests.docs_blocks import DOCS, REPO, UNMARKED_ALLOWED, Block, block_spec, blocks, commands, hub_cache
+from tests.docs_blocks import DOCS, REPO, Block, block_spec, blocks, commands, hub_cache
 
 BLOCKS = blocks()
 EXTRAS = set(metadata.metadata("orpheus-tts-plugin").get_all("Provides-Extra"))  # pyproject.toml's, as installed
@@ -41,12 +41,12 @@ def _epilogue(block: Block) -> str:
     return next((code for start, code in EPILOGUES.items() if block.text.startswith(start)), "")
 
 
-def _of(kind: str | None, *langs: str) -> list[Block]:
-    return [b for b in BLOCKS if (b.kind or "check") == kind and (not langs or b.lang in langs)]
+def _of(kind: str, *langs: str) -> list[Block]:
+    return [b for b in BLOCKS if b.kind == kind and (not langs or b.lang in langs)]
 
 
 def test_every_code_block_says_how_it_is_checked() -> None:
-    unmarked = [b.id for b in BLOCKS if b.kind is None and (b.path, b.section) not in UNMARKED_ALLOWED]
+    unmarked = [b.id for b in BLOCKS if b.kind is None]
     assert unmarked == [], "mark each with <!-- doc-test: KIND --> (tests/docs_blocks.py lists the kinds)"
     assert len(_of("run")) >= 6  # the README's quickstarts at least
 
@@ -92,7 +92,11 @@ def _check_bash(block: Block) -> None:
         for i, word in enumerate(words[:-1]):
             if word == "-m" and words[i + 1].split(".")[0] in ("orpheus_tts_plugin", "examples", "tests"):
                 assert importlib.util.find_spec(words[i + 1]), f"{block.id}: no module {words[i + 1]}"
-        for path in re.findall(r"\b((?:scripts|docker|examples)/[\w./-]+)", command):
+        if words[:3] == ["serve", "run", "orpheus_tts_plugin.server.ray:app"]:  # Ray Serve's CLI: key=value args
+            from orpheus_tts_plugin.server.ray import parse
+
+            parse(dict(word.split("=", 1) for word in words[3:] if "=" in word))
+        for path in re.findall(r"\b((?:scripts|docker|examples|deploy)/[\w./-]+)", command):
             assert (REPO / path).exists(), f"{block.id}: no {path}"
 
 
@@ -100,8 +104,10 @@ def _check_bash(block: Block) -> None:
 def test_a_block_compiles_and_what_it_names_exists(block: Block) -> None:
     if block.lang == "python":
         _check_python(block)
-    elif block.lang == "bash":
+    elif block.lang in ("bash", "sh"):
         _check_bash(block)
+    else:
+        assert block.lang in ("", "text", "json", "yaml"), f"{block.id}: no check for {block.lang!r} blocks"
 
 
 @pytest.mark.parametrize("block", _of("covered by"), ids=lambda b: b.id)

@@ -23,7 +23,7 @@ import pytest
 from orpheus_tts_plugin import RemoteEngine
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.engine import OrpheusEngine
-from orpheus_tts_plugin.errors import EngineError
+from orpheus_tts_plugin.errors import EngineError, Failure, failure_of
 from orpheus_tts_plugin.server import protocol
 from orpheus_tts_plugin.tools.loopback import free_port
 from tests.server.harness import PACES, TEXT
@@ -341,6 +341,8 @@ async def test_a_node_removed_mid_stream_ends_its_streams_retryably_and_new_stre
     nodes: Nodes, test_model_dir: Path
 ) -> None:
     """Last in the module: the cluster keeps one node after it."""
+    from orpheus_tts_plugin.livekit import _api_error
+
     clear()
     deploy(test_model_dir, "paced")
     url = f"ws://127.0.0.1:{nodes.port}"
@@ -360,7 +362,12 @@ async def test_a_node_removed_mid_stream_ends_its_streams_retryably_and_new_stre
         done, running = await asyncio.wait(endings, timeout=5)
         errors = [t.result() for t in done]
         assert len(running) > 0 and len(errors) in spread.values()  # the worker's streams ended, the head's go on
-        assert all(type(e) is EngineError and "lost" in str(e) for e, _ in errors), errors  # retryable
+        assert all(type(e) is EngineError and "lost" in str(e) for e, _ in errors), errors
+        # The error a killed `serve` gives (tests/server/test_upstream.py): Pipecat's and LiveKit's adapters map it
+        # the same way, a failed stream of an engine that serves (LiveKit retries it, APIConnectionError).
+        serving = remote.health()["status"] not in ("failed", "closed")
+        assert serving and all(failure_of(e, serving=serving) is Failure.STREAM_FAILED for e, _ in errors)
+        assert all(_api_error(e, serving=serving).retryable for e, _ in errors)
         after = [round(at - removing, 2) for _, at in errors]
         for task in running:  # leaving the head's streams early: their requests are cancelled
             task.cancel()

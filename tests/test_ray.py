@@ -16,11 +16,14 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 from orpheus_tts_plugin import RemoteEngine
+from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
+from orpheus_tts_plugin.engine import OrpheusEngine
+from orpheus_tts_plugin.errors import EngineError, Failure, failure_of
 from orpheus_tts_plugin.server import protocol
 from orpheus_tts_plugin.tools.loopback import free_port
 from tests.server.harness import PACES, TEXT
@@ -29,14 +32,22 @@ from tests.servers import until
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
 serve = pytest.importorskip("ray.serve")
 
+from orpheus_tts_plugin.server.ray import OrpheusReplica, parse  # noqa: E402 - after the extra's check
+
 REPO = Path(__file__).resolve().parents[1]
 STREAMS = 8
 LONG = " ".join([TEXT] * 20)
 
 
+class Nodes(NamedTuple):
+    port: int  # Serve's proxy, on the head node
+    cluster: Any  # ray.cluster_utils.Cluster
+    worker: Any  # the worker node (the last test removes it)
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[int]:
-    """A head and a worker node of one CPU each (so one replica each), Serve's proxy on a free port; yields it."""
+def nodes() -> Iterator[Nodes]:
+    """A head and a worker node of one CPU each (so one replica each), Serve's proxy on a free port."""
     from ray.cluster_utils import Cluster
 
     # Ray's proxy tries its own node's replicas first, and others only once those refuse: off, as deploy/ sets it,
@@ -44,32 +55,46 @@ def cluster() -> Iterator[int]:
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")
     monkeypatch.setenv("RAY_SERVE_PROXY_PREFER_LOCAL_AZ_ROUTING", "0")
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    local = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
-        nodes.add_node(num_cpus=1)
-        ray.init(address=nodes.address, logging_level="warning", log_to_driver=False)
+        worker = local.add_node(num_cpus=1)
+        ray.init(address=local.address, logging_level="warning", log_to_driver=False)
         port = free_port()
         # One proxy: the nodes share this host's address (a proxy on each would share one port).
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        yield port
+        yield Nodes(port, local, worker)
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
-            nodes.shutdown()
+            local.shutdown()
             monkeypatch.undo()
 
 
-def deploy(test_model_dir: Path, pace: str, **options: Any) -> None:
-    from orpheus_tts_plugin.server.ray import app
+@pytest.fixture(scope="module")
+def cluster(nodes: Nodes) -> int:
+    """Serve's proxy port on the two-node cluster."""
+    return nodes.port
 
-    args = {
+
+def args_of(test_model_dir: Path, pace: str, **options: Any) -> dict[str, Any]:
+    """The app's arguments: the synthetic engine at this pace, two replicas, a 1 s health check, a 5 s drain."""
+    return {
         "backend": "synthetic", "model": "", "snac": str(test_model_dir / "snac"), "device": "cpu",
         "token_rate": PACES[pace], "frames_per_token": 64, "budget_base": 1_000_000, "max_streams": STREAMS,
         "min_replicas": 2, "max_replicas": 2, "health_period": 1, "drain_timeout": 5, **options,
     }  # fmt: skip
-    serve.run(app(args), name="orpheus", route_prefix="/")
+
+
+def app_of(args: dict[str, Any]) -> Any:
+    from orpheus_tts_plugin.server.ray import app
+
+    return app(args)
+
+
+def deploy(test_model_dir: Path, pace: str, **options: Any) -> None:
+    serve.run(app_of(args_of(test_model_dir, pace, **options)), name="orpheus", route_prefix="/")
 
 
 @pytest.fixture(scope="module", params=list(PACES))
@@ -241,3 +266,125 @@ async def test_replicas_scale_up_on_open_streams_and_back_down_when_they_end(
         print("autoscale timeline:", timeline)
         await remote.aclose()
         serve.delete("scaling")
+
+
+POISON = 666  # the seed whose request kills a PoisonableReplica's engine
+
+
+class PoisonedBackend(SyntheticBackend):
+    """Its stepping thread dies admitting a request of seed POISON (as test_engine_under_load's DyingBackend dies
+    after some steps): the engine fails, as one whose GPU faulted."""
+
+    def _admit(self, req):  # type: ignore[no-untyped-def]
+        if req.sampling.seed == POISON:
+            raise SystemExit("injected stepping-thread death")
+        return super()._admit(req)
+
+
+class PoisonableReplica(OrpheusReplica):
+    """The production replica, its engine on a PoisonedBackend (Ray's workers import this module: the cluster's
+    workers have the driver's working directory on their path)."""
+
+    def __init__(self, args: Any):
+        super().__init__(args)
+        self.engine = OrpheusEngine(self.engine.config, backend=PoisonedBackend(self.engine.config.synthetic))
+
+
+def clear() -> None:
+    """Remove every application, so the next one has both nodes' CPUs."""
+    for name in list(serve.status().applications):
+        serve.delete(name)
+
+
+async def test_a_replica_whose_engine_failed_reports_unhealthy_and_ray_replaces_it(
+    cluster: int, test_model_dir: Path
+) -> None:
+    clear()
+    args = args_of(test_model_dir, "paced", min_replicas=1, max_replicas=1)
+    faulty = app_of(args)._bound_deployment.options(func_or_class=serve.ingress(None)(PoisonableReplica))
+    serve.run(faulty.bind(parse(args)[0]), name="faulty", route_prefix="/faulty")
+    url = f"ws://127.0.0.1:{cluster}/faulty{protocol.WS_PATH}"
+    remote = RemoteEngine(url)
+    try:
+        await remote.start()
+        old = remote._upstreams[0].conn.hello.replica
+        with pytest.raises(EngineError, match="stepping thread died"):
+            await heard(remote.synthesize(TEXT, seed=POISON))
+        failed = time.monotonic()
+        assert remote.health()["status"] == "failed" or not remote.ready  # the replica's status says so
+        # Ray's health check (every second here) raises from engine.health(): the replica is stopped, another
+        # started; the client's hello WebSocket reconnects through the proxy to it.
+        await until(lambda: remote.ready and remote._upstreams[0].conn.hello.replica != old, 90)
+        replaced = time.monotonic() - failed
+        speech = remote.synthesize(TEXT, seed=2)
+        await first(speech)  # the new replica's first audio (its first stream: torch warms up)
+        served = time.monotonic() - failed
+        await speech.aclose()
+        assert set(remote.stats()["servers"][url]["replicas"]) == {old, remote._upstreams[0].conn.hello.replica}
+        print(f"failed engine: replica replaced {replaced:.1f} s, its first audio {served:.1f} s after the failure")
+    finally:
+        await remote.aclose()
+        serve.delete("faulty")
+
+
+async def ended(stream: Any) -> tuple[BaseException | None, float]:
+    """(the error that ended the stream, or None if it ended whole; when, time.monotonic())."""
+    try:
+        async for _chunk in stream:
+            pass
+    except EngineError as exc:
+        return exc, time.monotonic()
+    return None, time.monotonic()
+
+
+async def test_a_node_removed_mid_stream_ends_its_streams_retryably_and_new_streams_go_to_the_survivor(
+    nodes: Nodes, test_model_dir: Path
+) -> None:
+    """Last in the module: the cluster keeps one node after it."""
+    from orpheus_tts_plugin.livekit import _api_error
+
+    clear()
+    deploy(test_model_dir, "paced")
+    url = f"ws://127.0.0.1:{nodes.port}"
+    remote = RemoteEngine(url)
+    try:
+        await remote.start()
+        streams = [remote.synthesize(LONG, seed=i, max_tokens=1_000_000) for i in range(4)]
+        for s in streams:
+            await first(s)
+        spread = dict(remote.stats()["servers"][url]["replicas"])
+        assert len(spread) == 2, spread  # both nodes carry streams
+        endings = [asyncio.create_task(ended(s)) for s in streams]
+        removing = time.monotonic()
+        await asyncio.to_thread(nodes.cluster.remove_node, nodes.worker)
+        removed = time.monotonic()
+        # The issue's bound is 1 s: 5 s leaves room for a shared host (the times are printed, and reported).
+        done, running = await asyncio.wait(endings, timeout=5)
+        errors = [t.result() for t in done]
+        assert len(running) > 0 and len(errors) in spread.values()  # the worker's streams ended, the head's go on
+        assert all(type(e) is EngineError and "lost" in str(e) for e, _ in errors), errors
+        # The error a killed `serve` gives (tests/server/test_upstream.py): Pipecat's and LiveKit's adapters map it
+        # the same way, a failed stream of an engine that serves (LiveKit retries it, APIConnectionError).
+        serving = remote.health()["status"] not in ("failed", "closed")
+        assert serving and all(failure_of(e, serving=serving) is Failure.STREAM_FAILED for e, _ in errors)
+        assert all(_api_error(e, serving=serving).retryable for e, _ in errors)
+        after = [round(at - removing, 2) for _, at in errors]
+        for task in running:  # leaving the head's streams early: their requests are cancelled
+            task.cancel()
+        await asyncio.wait(running, timeout=10)
+
+        new = [remote.synthesize(TEXT, seed=10 + i) for i in range(4)]
+        asked = time.monotonic()
+        await asyncio.gather(*(first(s) for s in new))  # each on the survivor: no error
+        ttfb = time.monotonic() - asked
+        for s in new:
+            await s.aclose()
+        now = remote.stats()["servers"][url]["replicas"]
+        grew = {name for name, n in now.items() if n > spread.get(name, 0)}
+        assert len(grew) == 1  # the survivor took every new stream
+        print(
+            f"node removed (remove_node took {removed - removing:.2f} s): its streams ended after {after} s;"
+            f" 4 new streams' first audio {ttfb:.2f} s after asking, {asked - removing:.1f} s after the removal"
+        )
+    finally:
+        await remote.aclose()

@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+import site
 import subprocess
 import sys
 from importlib import metadata
@@ -100,10 +101,11 @@ def test_every_module_the_container_imports_is_brought_by_its_extras_or_its_base
     modules = [*dockerfile_imports(), *AGENT_MODULES]
     assert "orpheus_tts_plugin.tools.quantize" in modules
     brought = closure(dockerfile_extras()) | IMAGE_SHIPS
-    owners = metadata.packages_distributions()
     # What this venv has beyond the image (the dev extra's: Ray, the OpenAI clients, ...) is hidden from the probe as
     # the image lacks it: an optional import of it is skipped there as here, and a hard one fails the probe.
-    absent = sorted(top for top, dists in owners.items() if not {_name(d) for d in dists} & brought)
+    here = {_name(dist.metadata["Name"]): tops(dist) for dist in installed()}
+    kept = set().union(*(names for dist, names in here.items() if dist in brought))  # a namespace stays if shared
+    absent = sorted(set().union(*(names for dist, names in here.items() if dist not in brought)) - kept)
     probe = (
         "import importlib, importlib.abc, json, sys\n"
         f"ABSENT = set({absent!r})\n"
@@ -121,11 +123,24 @@ def test_every_module_the_container_imports_is_brought_by_its_extras_or_its_base
     assert loaded_distributions(files) - brought == set(), "the image would lack these"
 
 
+def installed() -> list[metadata.Distribution]:
+    """The distributions installed in this venv's site-packages (not the ones a package vendors, such as
+    setuptools's `_vendor`, which show up once setuptools is imported and put its folder on sys.path)."""
+    sites = {os.path.realpath(p) for p in site.getsitepackages()}
+    return [d for d in metadata.distributions() if os.path.realpath(d.locate_file("")) in sites]
+
+
+def tops(dist: metadata.Distribution) -> set[str]:
+    """The top-level modules a distribution installs, by its RECORD."""
+    names = {f.parts[0].split(".")[0] for f in dist.files or () if f.suffix in (".py", ".so") and f.parts}
+    return {n for n in names if n.isidentifier()}
+
+
 def loaded_distributions(files: set[str]) -> set[str]:
     """The installed distributions that hold `files` (by each one's RECORD: a namespace package such as `google` or
     `opentelemetry` is shared by several, so the top-level name does not tell which)."""
     found = set()
-    for dist in metadata.distributions():
+    for dist in installed():
         if any(os.path.realpath(dist.locate_file(f)) in files for f in dist.files or () if f.suffix in (".py", ".so")):
             found.add(_name(dist.metadata["Name"]))
     return found

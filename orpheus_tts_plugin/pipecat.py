@@ -66,7 +66,12 @@ try:
     from pipecat.services.tts_service import TextAggregationMode, TTSService
     from pipecat.transcriptions.language import Language
     from pipecat.utils.errors import ErrorCategory
-    from pipecat.utils.text.base_text_aggregator import Aggregation, BaseTextAggregator, TextType
+    from pipecat.utils.text.base_text_aggregator import Aggregation, BaseTextAggregator
+
+    try:
+        from pipecat.utils.text.base_text_aggregator import TextType
+    except ImportError:  # pipecat-ai 1.12 names it AggregationType (TextType's deprecated alias in 1.14)
+        from pipecat.utils.text.base_text_aggregator import AggregationType as TextType
     from pipecat.utils.text.simple_text_aggregator import SimpleTextAggregator
     from pipecat.utils.tracing.service_decorators import traced_tts
     from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given

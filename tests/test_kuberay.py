@@ -57,5 +57,3 @@ def test_the_rayservice_runs_the_serve_app_on_gpu_workers_with_probes_and_a_drai
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert container["readinessProbe"] and container["livenessProbe"]
     assert pod["terminationGracePeriodSeconds"] > application["args"]["drain_timeout"]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] == "0"

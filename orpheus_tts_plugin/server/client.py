@@ -1,4 +1,5 @@
-"""`RemoteEngine`: OrpheusEngine's interface over one persistent WebSocket to each of its `orpheus-tts serve` servers.
+"""`RemoteEngine`: OrpheusEngine's interface over one persistent WebSocket to each of its `orpheus-tts serve` servers
+(behind Ray Serve's proxy: a hello, then an HTTP request per stream, `stream_posts`).
 
 Threads: the connections live on the RemoteEngine's own event loop in one daemon thread (started by
 `start()` or `prewarm()`). Callers on any loop in any thread hand requests to it with
@@ -18,7 +19,7 @@ import ssl as ssl_module
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import EngineConfig, SamplingOverrides, SamplingParams
 from ..errors import EngineClosedError, EngineError, EngineOverloadedError
@@ -30,6 +31,9 @@ from ..types import AudioChunk, Speech, SpeechOptions
 from . import protocol
 from .connection import API_KEY_ENV, CLOSE_TIMEOUT_S, Connection, Item, to_mailbox
 from .upstream import Upstream, choose, server_urls
+
+if TYPE_CHECKING:
+    from .stream_posts import PostedConnection
 
 SETTLE_POLL_S = 0.01  # start(): how often it looks whether the servers not yet connected have failed once
 SETTLE_S = 0.5  # start(): how long, after the first server answered, the others have to answer too
@@ -61,7 +65,7 @@ class _CallerStream:
         self._to_box = to_mailbox(self.box)  # caller's loop only
         self.closed = False  # set by the caller when it leaves early; read on the connection's loop
         self.upstream: Upstream | None = None  # the server it went to; connection's loop only
-        self.conn: Connection | None = None  # connection's loop only
+        self.conn: Connection | PostedConnection | None = None  # connection's loop only
         self.sid: int | None = None  # connection's loop only
 
     def put(self, item: Item) -> None:

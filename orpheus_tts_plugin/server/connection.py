@@ -211,8 +211,11 @@ class Connection:
         finally:
             self._stats.pop(req, None)
 
-    async def aclose(self, error: BaseException | None = None) -> None:
-        """Close the socket; open streams end with `error` (default: an EngineError saying so)."""
+    async def aclose(self, error: BaseException | None = None, *, notify: bool = True) -> None:
+        """Close the socket; open streams end with `error` (default: an EngineError saying so). `notify=False`:
+        without calling `on_close` (its owner is done with it, the server is not gone)."""
+        if not notify:
+            self._on_close = None
         self._end_all(error or EngineError(f"connection to {self.url} closed"))
         self._writer.cancel()
         with contextlib.suppress(Exception):

@@ -5,13 +5,15 @@
 `app` takes the `serve` flags as key=value (dashes or underscores), plus:
   min_replicas, max_replicas (default 1, 1); target_streams (open streams a replica should carry before another
   starts; default 3/4 of max_streams); drain_timeout (seconds a stopping replica lets its open streams finish,
-  Ray's graceful_shutdown_timeout_s; default DRAIN_S); upscale_delay, downscale_delay, health_period (seconds);
+  Ray's graceful_shutdown_timeout_s; default DRAIN_S); upscale_delay, downscale_delay, scale_window (the seconds
+  of open streams averaged for each decision, Ray's look_back_period_s), health_period (seconds);
   cpus (per replica on CPU, default 1); gpus (per replica; default 1 unless device=cpu).
 
-Ray's proxy routes each request (power of two choices on the replicas' open requests); a WebSocket is routed once,
-for its life. So each replica's hello names `streams_path`, and RemoteEngine posts every stream as an HTTP request
-of its own: streams spread one by one, and a replica's open requests are its open streams (what autoscaling
-counts). Ray is an optional extra (`pip install orpheus-tts-plugin[ray]`); nothing else imports this module.
+Ray's proxy routes each request, and a WebSocket once, for its life. So each replica's hello names `streams_path`,
+and RemoteEngine posts every stream as an HTTP request of its own and holds no socket once it has the hello: streams
+spread one by one (`ray_router`: to the replica with the fewest, a burst too), and a replica's open requests are its
+open streams, what autoscaling counts and what a stopping replica drains. Ray is an optional extra
+(`pip install orpheus-tts-plugin[ray]`); nothing else imports this module.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from ..errors import missing_extra
 try:
     from ray import serve
     from ray.serve import Application
+    from ray.serve.config import RequestRouterConfig
 except ImportError as exc:
     raise missing_extra("ray", "orpheus-tts on Ray Serve", exc) from None
 
 from ..engine import OrpheusEngine
 from . import serve as serve_cli
 from .app import create_app
+from .ray_router import IMPORT_PATH as ROUTER
 
 DRAIN_S = 300.0  # the longest utterance a default engine speaks (its token budget) fits well within this
 TARGET_SHARE = 0.75  # a replica at this share of max_streams asks for another
@@ -68,6 +72,7 @@ def parse(args: dict[str, Any]) -> tuple[argparse.Namespace, dict[str, float]]:
         "drain_timeout": DRAIN_S,
         "upscale_delay": 30.0,
         "downscale_delay": 600.0,
+        "scale_window": 30.0,
         "health_period": 10.0,
         "gpus": None,
         "cpus": None,
@@ -112,8 +117,9 @@ def app(args: dict[str, Any]) -> Application:
         name="orpheus",
         ray_actor_options=actor,
         # Ray's cap on a replica's open requests: the engine admits and refuses (max_streams) itself; the cap only
-        # leaves room for the clients' WebSockets (hello and status), which Ray counts too.
+        # leaves room for health checks and hellos, which Ray counts too.
         max_ongoing_requests=2 * config.max_streams + 16,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER),
         autoscaling_config={
             "min_replicas": int(o["min_replicas"]),
             "max_replicas": int(o["max_replicas"]),
@@ -121,6 +127,7 @@ def app(args: dict[str, Any]) -> Application:
             "target_ongoing_requests": float(target),
             "upscale_delay_s": o["upscale_delay"],
             "downscale_delay_s": o["downscale_delay"],
+            "look_back_period_s": o["scale_window"],
         },
         graceful_shutdown_timeout_s=o["drain_timeout"],
         health_check_period_s=o["health_period"],

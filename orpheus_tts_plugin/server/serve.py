@@ -409,20 +409,23 @@ def serving_in_thread(
     drain_timeout_s: float = 30.0,
     policy: Policy | None = None,
     socket_send_buffer: int | None = None,
+    port: int = 0,
+    replica: str | None = None,
 ) -> Iterator[ServerThread]:
-    """Serve `engine` under `policy` on a free loopback port (or on `uds`) from a thread; stopped (not drained)
-    on exit. `socket_send_buffer`: SO_SNDBUF of its connections (a test's stalled client then fills it at once,
-    where loopback's autotuned buffer would hold megabytes)."""
+    """Serve `engine` under `policy` on a loopback port (`port`, default a free one; or on `uds`) from a thread;
+    stopped (not drained) on exit. `socket_send_buffer`: SO_SNDBUF of its connections (a test's stalled client then
+    fills it at once, where loopback's autotuned buffer would hold megabytes). `replica`: as `create_app`'s (the
+    server then asks clients to post their streams, as behind Ray Serve's proxy)."""
     from .app import create_app
 
-    app = create_app(engine, own_engine=own_engine, policy=policy)
+    app = create_app(engine, own_engine=own_engine, policy=policy, replica=replica)
     sockets: list[socket.socket] = []
     if uds is None:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if socket_send_buffer is not None:  # accepted connections inherit it
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, socket_send_buffer)
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", port))
         sockets.append(sock)
         host, port = sock.getsockname()[:2]
         url, http_url = f"ws://{host}:{port}", f"http://{host}:{port}"

@@ -2,9 +2,11 @@
 connections, on the loop that owns it (a RemoteEngine's connection loop).
 
 Used when a server's hello names `streams_path`: a proxy in front (Ray Serve's) then routes each stream by itself
-to the least-loaded replica, where a WebSocket would be routed once and pin every stream to one replica. A stream
-that ends whole gives its connection back to the pool; a cancelled one closes its connection, which the proxy
-and the server see as the client gone (the engine stream is aborted).
+to the least-loaded replica, where a WebSocket would be routed once and pin every stream to one replica. The
+WebSocket that brought the hello is closed at once (`PostedConnection` stands for it): held open, a replica would
+count it as an open request for its whole life, which Ray routes, scales and drains on. A stream that ends whole
+gives its connection back to the pool; a cancelled one closes its connection, which the proxy and the server see as
+the client gone (the engine stream is aborted).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import collections
 import contextlib
 import itertools
 import ssl as ssl_module
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import EngineError, EngineOverloadedError, missing_extra
@@ -43,9 +46,28 @@ class StreamPosts:
         self._ids = itertools.count()
         self.replicas: collections.Counter[str] = collections.Counter()  # streams started, by replica that served
         self.connects = 0  # connections opened (a cancelled stream's is closed; a finished one's is reused)
+        self.on_unreachable: Callable[[str], None] | None = None  # called when a stream cannot connect at all
 
     def start(self, path: str, request: protocol.Start, deliver: Deliver) -> int:
         """POST `request` to `path`; `deliver` then gets its chunks and its end. Returns the stream's id."""
+        self._ensure_session()
+        sid = next(self._ids)
+        self._tasks[sid] = (asyncio.create_task(self._run(sid, self.base_url + path, request, deliver)), deliver)
+        return sid
+
+    async def get_json(self, path: str, timeout_s: float) -> Any:
+        """GET base_url + path (e.g. /stats, through the proxy: one replica's answer), its JSON body."""
+        self._ensure_session()
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with self._session.get(self.base_url + path, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise EngineError(f"{self.base_url + path} answered HTTP {resp.status}")
+                return await resp.json()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            raise EngineError(f"cannot reach {self.base_url + path}: {type(exc).__name__}: {exc}") from exc
+
+    def _ensure_session(self) -> None:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl if self._ssl is not None else True)
             trace = aiohttp.TraceConfig()
@@ -53,9 +75,6 @@ class StreamPosts:
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=self._timeout, headers=self._headers, trace_configs=[trace]
             )
-        sid = next(self._ids)
-        self._tasks[sid] = (asyncio.create_task(self._run(sid, self.base_url + path, request, deliver)), deliver)
-        return sid
 
     async def _connected(self, *_: Any) -> None:
         self.connects += 1
@@ -91,6 +110,10 @@ class StreamPosts:
                 if heard or not isinstance(item, EngineOverloadedError) or attempt == RETRIES - 1:
                     break
                 await asyncio.sleep(RETRY_S * 2**attempt)  # a replica that just started may not be routed to yet
+        except aiohttp.ClientConnectorError as exc:  # nothing answers at that address: the hello is out of date too
+            item = EngineError(f"connection to {url} lost ({type(exc).__name__}: {exc})")
+            if self.on_unreachable is not None:
+                self.on_unreachable(str(item))
         except (aiohttp.ClientError, asyncio.IncompleteReadError, OSError, asyncio.TimeoutError) as exc:
             item = EngineError(f"connection to {url} lost ({type(exc).__name__}: {exc})")
         except (ValueError, KeyError) as exc:  # a broken frame: the stream ends, never hangs
@@ -128,3 +151,52 @@ class StreamPosts:
                 with contextlib.suppress(Exception):
                     resp.close()  # not given back to the pool: closing it is the cancel
                 raise
+
+
+class PostedConnection:
+    """A server behind a proxy once its hello is in, in a `Connection`'s place: streams go as posts and no socket is
+    held. `closed` resolves when a stream finds nothing answering at the address (its owner then says hello again,
+    with backoff). Every method runs on the loop of `posts`."""
+
+    def __init__(
+        self,
+        url: str,
+        hello: protocol.Hello,
+        status: dict[str, Any],
+        posts: StreamPosts,
+        on_close: Callable[[str], None] | None = None,
+    ):
+        """`on_close(reason)`: called once, as `closed` resolves and before the stream that found out hears of it."""
+        assert hello.streams_path is not None
+        self.url = url
+        self.hello = hello
+        self.status = status  # the status sent with the hello: a proxy's replicas push nothing to a posting client
+        self._posts = posts
+        self._path = hello.streams_path
+        self._on_close = on_close
+        self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # result: why it closed
+        posts.on_unreachable = self._lost
+
+    def start(self, request: protocol.Start, deliver: Deliver) -> int:
+        """Post a stream; `deliver` gets its chunks and its end. Returns its id."""
+        if self.closed.done():
+            raise EngineError(f"connection to {self.url} is closed")
+        return self._posts.start(self._path, request, deliver)
+
+    def cancel(self, sid: int) -> None:
+        """Abort a posted stream (its HTTP connection closes)."""
+        self._posts.cancel(sid)
+
+    async def server_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The stats of the replica the proxy sends this GET to."""
+        return await self._posts.get_json("/stats", timeout_s)
+
+    async def aclose(self, error: BaseException | None = None) -> None:
+        """Done with: `closed` resolves (the posted streams belong to their StreamPosts, closed by its owner)."""
+        self._lost(str(error or f"connection to {self.url} closed"))
+
+    def _lost(self, reason: str) -> None:
+        if not self.closed.done():
+            self.closed.set_result(reason)
+            if self._on_close is not None:
+                self._on_close(reason)

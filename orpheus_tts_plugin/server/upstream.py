@@ -1,7 +1,8 @@
 """The servers of a RemoteEngine: each one's connection, kept up by itself, and the choice of where a new stream goes.
 
 A server is left for new streams the moment its connection drops, and once its pushed `status` says it
-drains or its engine does not serve (the server checks its status every `app.STATUS_INTERVAL_S`).
+drains or its engine does not serve (the server checks its status every `app.STATUS_INTERVAL_S`). A server behind
+Ray Serve's proxy keeps no connection: after its hello, its streams are posted (`stream_posts.PostedConnection`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from urllib.parse import urlsplit
 from ..errors import EngineError
 from . import protocol
 from .connection import Connection, Deliver, endpoint
+from .routing import least_loaded
 
 if TYPE_CHECKING:
-    from .stream_posts import StreamPosts
+    from .stream_posts import PostedConnection, StreamPosts
 
 # Opens one connection to a URL, with the status and close callbacks of its Upstream.
 Connect = Callable[[str, Callable[[dict[str, Any]], None], Callable[[str], None]], Awaitable[Connection]]
@@ -66,7 +68,7 @@ class Upstream:
     ):
         """`posts_options`: StreamPosts' (ssl, api_key, connect_timeout_s), for a server that asks for posts."""
         self.url = url
-        self.conn: Connection | None = None  # None while not connected
+        self.conn: Connection | PostedConnection | None = None  # None while not connected
         self.status: dict[str, Any] = {}  # the server's last `status` message
         self.last_error: str | None = None  # why the last connection attempt failed or the connection closed
         self.connects = 0
@@ -76,8 +78,8 @@ class Upstream:
         self._unreported: set[int] = set()  # ids (on `conn`) of open streams started since the last status
         self._posts_base = http_base(url)  # None for a Unix socket: streams then stay on the WebSocket
         self._posts_options = posts_options
-        self._posts: StreamPosts | None = None  # made at the first stream a server asks to be posted
-        self._orphan: Connection | None = None  # a connection that opened as stop() came (never adopted)
+        self._posts: StreamPosts | None = None  # made at the first hello that asks for posts
+        self._orphan: Connection | PostedConnection | None = None  # opened as stop() came (never adopted)
         self._stopping = asyncio.Event()  # set once by stop(): keep_connected returns, whatever it was awaiting
 
     async def keep_connected(self) -> None:
@@ -92,6 +94,8 @@ class Upstream:
         while not self._stopping.is_set():
             try:
                 conn = await self._connect(self.url, self._on_status, self._on_close)
+                if conn.hello.streams_path is not None and self._posts_base is not None:
+                    conn = await self._posted(conn)
             except EngineError as exc:
                 self.last_error = str(exc)
                 with contextlib.suppress(asyncio.TimeoutError):  # the backoff, cut short by stop()
@@ -108,12 +112,26 @@ class Upstream:
             self._on_up(self, conn)
             await asyncio.shield(conn.closed)  # a cancel must not cancel the connection's own future
 
+    async def _posted(self, conn: Connection) -> PostedConnection:
+        """A server behind a proxy: its hello's WebSocket closed (a replica would count it as an open request for
+        its whole life), its streams posted from now on. EngineError if the server did not serve when it said
+        hello (no status reaches a posting client: it says hello again after its backoff)."""
+        from .stream_posts import PostedConnection, StreamPosts  # aiohttp: only for servers that ask for it
+
+        await conn.aclose(notify=False)
+        status = conn.status.get("status", "ok")
+        if status != "ok" or conn.status.get("draining"):
+            raise EngineError(f"{self.url} does not serve yet: {status}: {conn.status.get('reason') or 'draining'}")
+        if self._posts is None:
+            self._posts = StreamPosts(self._posts_base, *self._posts_options)
+        return PostedConnection(self.url, conn.hello, conn.status, self._posts, self._on_close)
+
     def stop(self) -> None:
         """Stop reconnecting: keep_connected returns at its next step (its owner also cancels it, to end the step
         it is in); the open connection stays for the owner to close: `connections()` lists it."""
         self._stopping.set()
 
-    def connections(self) -> list[Connection]:
+    def connections(self) -> list[Connection | PostedConnection]:
         """Its connections: the current one, and one that opened as stop() came."""
         return [c for c in (self.conn, self._orphan) if c is not None]
 
@@ -134,21 +152,15 @@ class Upstream:
         return float(self.status.get("load", 0.0)) + len(self._unreported) / max(1, max_streams)
 
     # ---------------------------------------------------------------- streams
-    def start(self, request: protocol.Start, deliver: Deliver) -> tuple[Connection, int]:
+    def start(self, request: protocol.Start, deliver: Deliver) -> tuple[Connection | PostedConnection, int]:
         """Start a stream on the current connection (which must be up): (that connection, the stream id).
 
         A server whose hello names `streams_path` (behind Ray Serve's proxy) gets it as an HTTP request of its
-        own, which the proxy routes by itself; the connection then only brings hello and status.
+        own (`PostedConnection`), which the proxy routes by itself.
         """
         conn = self.conn
         if conn is None:
             raise EngineError(f"not connected to {self.url}")
-        if conn.hello.streams_path is not None and self._posts_base is not None:
-            if self._posts is None:
-                from .stream_posts import StreamPosts  # aiohttp: only for servers that ask for it
-
-                self._posts = StreamPosts(self._posts_base, *self._posts_options)
-            return conn, self._posts.start(conn.hello.streams_path, request, deliver)
         sid = conn.start(request, deliver)
         self._unreported.add(sid)
         return conn, sid
@@ -160,15 +172,12 @@ class Upstream:
             return {}
         return {"replicas": dict(self._posts.replicas), "http_connects": self._posts.connects}
 
-    def cancel(self, conn: Connection, sid: int) -> None:
-        """Abort a stream started on `conn` (or posted while it was the connection)."""
+    def cancel(self, conn: Connection | PostedConnection, sid: int) -> None:
+        """Abort a stream started on `conn`."""
         self.ended(conn, sid)
-        if conn.hello.streams_path is not None and self._posts is not None and sid in self._posts:
-            self._posts.cancel(sid)
-        else:
-            conn.cancel(sid)
+        conn.cancel(sid)
 
-    def ended(self, conn: Connection, sid: int) -> None:
+    def ended(self, conn: Connection | PostedConnection, sid: int) -> None:
         """A stream of `conn` ended (or was cancelled): no longer counted on top of the status."""
         if conn is self.conn:
             self._unreported.discard(sid)
@@ -192,7 +201,8 @@ class Upstream:
 
 
 def choose(upstreams: Sequence[Upstream], turn: int) -> Upstream | None:
-    """Where a new stream goes: the usable server with the least expected load, ties round-robin from `turn`.
+    """Where a new stream goes (`routing.least_loaded`): the usable server with the least expected load, ties
+    round-robin from `turn`.
 
     With none usable, the least loaded connected one (its own refusal, e.g. "draining", then says why);
     None when none is connected.
@@ -201,5 +211,4 @@ def choose(upstreams: Sequence[Upstream], turn: int) -> Upstream | None:
     candidates = [u for u in connected if u.usable] or connected
     if not candidates:
         return None
-    at = turn % len(candidates)
-    return min(candidates[at:] + candidates[:at], key=Upstream.expected_load)  # min keeps the first of equals
+    return least_loaded(candidates, Upstream.expected_load, turn)

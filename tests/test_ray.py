@@ -297,7 +297,7 @@ async def test_replicas_scale_up_on_open_streams_and_down_and_a_rollout_and_the_
         mark(f"4 more streams: by replica {sorted(by_replica().values())}")
         assert len(by_replica()) == 2  # the new replica serves
 
-        # Down: two streams of 10 s, one on each replica (the fewest first), speak across the downscale.
+        # Down: two streams of ~14 s, one on each replica (the fewest first), speak across the downscale.
         for s in (held.pop(), more.pop()):  # a place on each replica (4 streams each, max_streams 4)
             await s.aclose()
         before = by_replica()
@@ -323,15 +323,15 @@ async def test_replicas_scale_up_on_open_streams_and_down_and_a_rollout_and_the_
         speaking = remote.synthesize(LONG, seed=30, max_tokens=DRAINED_TOKENS)
         await first(speaking)
         (serving,) = [r for r, n in by_replica().items() if n > before.get(r, 0)]
-        finishing = [asyncio.create_task(heard(speaking))]
+        heard_all = asyncio.create_task(heard(speaking))
         hf = {"backend": "hf", "model": str(test_model_dir / "orpheus"), "budget_base": 200}
         rollout = asyncio.create_task(
             asyncio.to_thread(serve.run, app({**args, **hf}), name="scaling", route_prefix="/scaling")
         )
-        await until(lambda: replica_states("scaling").get("STOPPING", 0) == 1 or finishing[0].done(), 60)
-        assert not finishing[0].done(), "the rollout came after the stream it should drain"
+        await until(lambda: replica_states("scaling").get("STOPPING", 0) == 1 or heard_all.done(), 60)
+        assert not heard_all.done(), "the rollout came after the stream it should drain"
         mark("rollout: the old replica stopping")
-        assert (await finishing[0])[-1].final
+        assert (await heard_all)[-1].final
         mark("its stream ended whole")
         await rollout
         mark("new config running")

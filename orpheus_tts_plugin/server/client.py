@@ -107,8 +107,9 @@ class RemoteEngine:
         comma-separated string; `ssl` for wss with a private CA; `connect_timeout_s`: how long start() and a
         call wait for a connection; `backoff_s`: first and longest wait between reconnection attempts, per
         server; `keepalive_s`: ping each server this often and drop one that leaves a ping unanswered this
-        long (a hung or unreachable machine; None: never); `api_key`: the servers' key (default
-        $ORPHEUS_API_KEY)."""
+        long (a hung or unreachable machine; None: never; behind Ray Serve's proxy, where no socket is held, a
+        stream that hears nothing for `stream_posts.SILENCE_S` is lost instead); `api_key`: the servers' key
+        (default $ORPHEUS_API_KEY)."""
         urls = server_urls(url)
         self.config = RemoteConfig(",".join(urls), model, model_family)
         # Replaced at each hello and each status that lists voices (the connection's loop writes).
@@ -125,7 +126,8 @@ class RemoteEngine:
         self._closed = False
         self._counters: collections.Counter[str] = collections.Counter()
         # The rest belongs to the connection's loop (other threads only read the references).
-        posts = (ssl, api_key if api_key is not None else os.environ.get(API_KEY_ENV), connect_timeout_s)
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        posts = (ssl, key, connect_timeout_s) if keepalive_s is not None else (ssl, key, connect_timeout_s, None)
         self._upstreams = tuple(Upstream(u, self._connect, backoff_s, self._adopt, posts) for u in urls)
         self._turn = 0  # round-robin among equally loaded servers
         self._open: set[_CallerStream] = set()

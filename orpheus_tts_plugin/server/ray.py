@@ -104,6 +104,12 @@ def parse(args: dict[str, Any]) -> tuple[argparse.Namespace, dict[str, float]]:
     return parsed, ray_options
 
 
+def report_interval(window_s: float) -> dict[str, float]:
+    """How often a replica reports its open requests: Ray's default (10 s, its `metrics_interval_s`, deprecated
+    but still read) unless the window is shorter; then twice a window, which the window needs to see anything."""
+    return {} if window_s > 10.0 else {"metrics_interval_s": window_s / 2}
+
+
 def app(args: dict[str, Any]) -> Application:
     """The application builder (`serve run orpheus_tts_plugin.server.ray:app KEY=VALUE ...`, or a Serve config's
     `import_path` and `args`)."""
@@ -128,6 +134,7 @@ def app(args: dict[str, Any]) -> Application:
             "upscale_delay_s": o["upscale_delay"],
             "downscale_delay_s": o["downscale_delay"],
             "look_back_period_s": o["scale_window"],
+            **report_interval(o["scale_window"]),
         },
         graceful_shutdown_timeout_s=o["drain_timeout"],
         health_check_period_s=o["health_period"],

@@ -31,17 +31,29 @@ except ImportError as exc:
 
 RETRIES = 3  # tries of a stream refused at capacity before its first audio
 RETRY_S = 0.05  # the wait before the second try (doubled for the next)
+POLL_S = 2.0  # how often a posting client asks the proxy for a replica's load (one GET; also its keepalive)
+SILENCE_S = 10.0  # a stream that hears nothing this long is lost (an engine admits or refuses at once, never queues)
 
 
 class StreamPosts:
     """Streams as HTTP requests to one base URL; every method runs on the loop that created it."""
 
-    def __init__(self, base_url: str, ssl: ssl_module.SSLContext | None, api_key: str | None, connect_timeout_s: float):
+    def __init__(
+        self,
+        base_url: str,
+        ssl: ssl_module.SSLContext | None,
+        api_key: str | None,
+        connect_timeout_s: float,
+        silence_s: float | None = SILENCE_S,
+    ):
+        """`silence_s`: a stream that hears nothing for this long ends with EngineError (a hung proxy or replica:
+        no socket is held to ping; None: wait for ever)."""
         self.base_url = base_url  # http(s)://HOST:PORT, without a path
         self._ssl = ssl
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
-        self._session: aiohttp.ClientSession | None = None  # made at the first stream, on this loop
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=silence_s)
+        self._session: aiohttp.ClientSession | None = None  # the streams' pool, made at the first one, on this loop
+        self._control: aiohttp.ClientSession | None = None  # one connection for GETs (stats), apart from the streams'
         self._tasks: dict[int, tuple[asyncio.Task[None], Deliver]] = {}  # live streams by id
         self._ids = itertools.count()
         self.replicas: collections.Counter[str] = collections.Counter()  # streams started, by replica that served
@@ -56,14 +68,22 @@ class StreamPosts:
         return sid
 
     async def get_json(self, path: str, timeout_s: float) -> Any:
-        """GET base_url + path (e.g. /stats, through the proxy: one replica's answer), its JSON body."""
-        self._ensure_session()
+        """GET base_url + path (e.g. /stats, through the proxy: one replica's answer), its JSON body, over a connection
+        of its own (the streams' pool and its count stay theirs)."""
+        if self._control is None:
+            connector = aiohttp.TCPConnector(limit=1, ssl=self._ssl if self._ssl is not None else True)
+            self._control = aiohttp.ClientSession(connector=connector, headers=self._headers)
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:
-            async with self._session.get(self.base_url + path, timeout=timeout) as resp:
+            async with self._control.get(self.base_url + path, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise EngineError(f"{self.base_url + path} answered HTTP {resp.status}")
                 return await resp.json()
+        except aiohttp.ClientConnectorError as exc:
+            error = EngineError(f"cannot reach {self.base_url + path}: {type(exc).__name__}: {exc}")
+            if self.on_unreachable is not None:
+                self.on_unreachable(str(error))
+            raise error from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             raise EngineError(f"cannot reach {self.base_url + path}: {type(exc).__name__}: {exc}") from exc
 
@@ -95,8 +115,9 @@ class StreamPosts:
             task.cancel()
             deliver(error)
         await asyncio.gather(*(task for task, _ in live.values()), return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._control):
+            if session is not None:
+                await session.close()
 
     async def _run(self, sid: int, url: str, request: protocol.Start, deliver: Deliver) -> None:
         """One stream, from the POST to its end; a cancel (cancel(), aclose()) delivers nothing more.
@@ -155,8 +176,10 @@ class StreamPosts:
 
 class PostedConnection:
     """A server behind a proxy once its hello is in, in a `Connection`'s place: streams go as posts and no socket is
-    held. `closed` resolves when a stream finds nothing answering at the address (its owner then says hello again,
-    with backoff). Every method runs on the loop of `posts`."""
+    held. Every POLL_S it asks the proxy for a replica's stats: their `load` (a replica's, which the router keeps
+    level with the others') is the server's load. `closed` resolves when a stream or that poll finds nothing
+    answering at the address (its owner then says hello again, with backoff). Every method runs on the loop of
+    `posts`."""
 
     def __init__(
         self,
@@ -165,8 +188,10 @@ class PostedConnection:
         status: dict[str, Any],
         posts: StreamPosts,
         on_close: Callable[[str], None] | None = None,
+        on_status: Callable[[dict[str, Any]], None] | None = None,
     ):
-        """`on_close(reason)`: called once, as `closed` resolves and before the stream that found out hears of it."""
+        """`on_close(reason)`: called once, as `closed` resolves and before the stream that found out hears of it;
+        `on_status(status)`: with the hello's status, its `load` replaced by each poll's."""
         assert hello.streams_path is not None
         self.url = url
         self.hello = hello
@@ -174,8 +199,10 @@ class PostedConnection:
         self._posts = posts
         self._path = hello.streams_path
         self._on_close = on_close
+        self._on_status = on_status
         self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # result: why it closed
         posts.on_unreachable = self._lost
+        self._poller = asyncio.create_task(self._poll(), name="orpheus-remote-poll")
 
     def start(self, request: protocol.Start, deliver: Deliver) -> int:
         """Post a stream; `deliver` gets its chunks and its end. Returns its id."""
@@ -195,8 +222,22 @@ class PostedConnection:
         """Done with: `closed` resolves (the posted streams belong to their StreamPosts, closed by its owner)."""
         self._lost(str(error or f"connection to {self.url} closed"))
 
+    async def _poll(self) -> None:
+        """The replicas' load, every POLL_S, until closed (a GET that cannot connect closes it)."""
+        while not self.closed.done():
+            await asyncio.sleep(POLL_S)
+            try:
+                stats = await self._posts.get_json("/stats", POLL_S)
+            except EngineError:  # no replica to answer for now, or the proxy gone (then closed already)
+                continue
+            if "load" in stats and not self.closed.done():
+                self.status = {**self.status, "load": float(stats["load"])}
+                if self._on_status is not None:
+                    self._on_status(self.status)
+
     def _lost(self, reason: str) -> None:
         if not self.closed.done():
+            self._poller.cancel()
             self.closed.set_result(reason)
             if self._on_close is not None:
                 self._on_close(reason)

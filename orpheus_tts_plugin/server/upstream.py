@@ -66,7 +66,8 @@ class Upstream:
         on_up: Callable[[Upstream, Connection], None],
         posts_options: tuple[Any, ...] = (None, None, 5.0),
     ):
-        """`posts_options`: StreamPosts' (ssl, api_key, connect_timeout_s), for a server that asks for posts."""
+        """`posts_options`: StreamPosts' (ssl, api_key, connect_timeout_s[, silence_s]), for a server that asks for
+        posts."""
         self.url = url
         self.conn: Connection | PostedConnection | None = None  # None while not connected
         self.status: dict[str, Any] = {}  # the server's last `status` message
@@ -124,7 +125,7 @@ class Upstream:
             raise EngineError(f"{self.url} does not serve yet: {status}: {conn.status.get('reason') or 'draining'}")
         if self._posts is None:
             self._posts = StreamPosts(self._posts_base, *self._posts_options)
-        return PostedConnection(self.url, conn.hello, conn.status, self._posts, self._on_close)
+        return PostedConnection(self.url, conn.hello, conn.status, self._posts, self._on_close, self._on_status)
 
     def stop(self) -> None:
         """Stop reconnecting: keep_connected returns at its next step (its owner also cancels it, to end the step

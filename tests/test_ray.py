@@ -257,6 +257,7 @@ def replica_states(name: str) -> dict[str, int]:
     return dict(serve.status().applications[name].deployments["orpheus"].replica_states)
 
 
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")  # set for the short window
 async def test_replicas_scale_up_on_open_streams_and_down_and_a_rollout_and_the_downscale_cut_no_stream(
     cluster: int, test_model_dir: Path
 ) -> None:

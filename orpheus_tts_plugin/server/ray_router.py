@@ -7,7 +7,8 @@ at that moment (`RequestRouter.on_new_queue_len_info`). In a burst the replies a
 between, and a replica whose entry went stale (10 s without a request) is passed over while another's is fresh: 8
 streams started in the same instant landed 8/0 and 6/2 on two replicas. This router counts what it sent itself, from
 the choice to the request's end, so a burst spreads as evenly as streams opened one by one. Each proxy (one a node)
-has its own router and counts its own streams; Ray's cache still keeps a full replica (max_ongoing_requests) last.
+has its own router and counts its own streams; a replica Ray's cache holds full (max_ongoing_requests) is passed
+over while another is not.
 """
 
 from __future__ import annotations

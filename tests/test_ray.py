@@ -249,16 +249,15 @@ def test_the_router_spreads_a_burst_counts_each_stream_until_it_ends_and_forgets
         loop.close()
 
 
+def replica_states(name: str) -> dict[str, int]:
+    return dict(serve.status().applications[name].deployments["orpheus"].replica_states)
+
+
 def replicas_running(name: str) -> int:
-    status = serve.status().applications[name].deployments["orpheus"]
-    return status.replica_states.get("RUNNING", 0)
+    return replica_states(name).get("RUNNING", 0)
 
 
 DRAINED_TOKENS = 1800  # about 14 s at the paced rate (4,000 took 30 s): a stream that outlasts a replica stopping
-
-
-def replica_states(name: str) -> dict[str, int]:
-    return dict(serve.status().applications[name].deployments["orpheus"].replica_states)
 
 
 @pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")  # set for the short window

@@ -71,30 +71,34 @@ class StreamPosts:
         """GET base_url + path (e.g. /stats, through the proxy: one replica's answer), its JSON body, over a connection
         of its own (the streams' pool and its count stay theirs)."""
         if self._control is None:
-            connector = aiohttp.TCPConnector(limit=1, ssl=self._ssl if self._ssl is not None else True)
-            self._control = aiohttp.ClientSession(connector=connector, headers=self._headers)
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
+            self._control = self._new_session(limit=1)
+        url = self.base_url + path
         try:
-            async with self._control.get(self.base_url + path, timeout=timeout) as resp:
+            async with self._control.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 if resp.status != 200:
-                    raise EngineError(f"{self.base_url + path} answered HTTP {resp.status}")
+                    raise EngineError(f"{url} answered HTTP {resp.status}")
                 return await resp.json()
-        except aiohttp.ClientConnectorError as exc:
-            error = EngineError(f"cannot reach {self.base_url + path}: {type(exc).__name__}: {exc}")
-            if self.on_unreachable is not None:
-                self.on_unreachable(str(error))
-            raise error from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise EngineError(f"cannot reach {self.base_url + path}: {type(exc).__name__}: {exc}") from exc
+            raise self._failed(exc, f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
 
     def _ensure_session(self) -> None:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl if self._ssl is not None else True)
             trace = aiohttp.TraceConfig()
             trace.on_connection_create_end.append(self._connected)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, headers=self._headers, trace_configs=[trace]
-            )
+            self._session = self._new_session(limit=0, timeout=self._timeout, trace_configs=[trace])
+
+    def _new_session(self, limit: int, **options: Any) -> aiohttp.ClientSession:
+        """A session of at most `limit` connections (0: no limit) with this client's TLS and key."""
+        connector = aiohttp.TCPConnector(limit=limit, ssl=self._ssl if self._ssl is not None else True)
+        return aiohttp.ClientSession(connector=connector, headers=self._headers, **options)
+
+    def _failed(self, exc: BaseException, message: str) -> EngineError:
+        """The EngineError `message`; where nothing answered at the address at all, on_unreachable hears it first
+        (the hello is out of date too)."""
+        error = EngineError(message)
+        if isinstance(exc, aiohttp.ClientConnectorError) and self.on_unreachable is not None:
+            self.on_unreachable(message)
+        return error
 
     async def _connected(self, *_: Any) -> None:
         self.connects += 1
@@ -131,12 +135,8 @@ class StreamPosts:
                 if heard or not isinstance(item, EngineOverloadedError) or attempt == RETRIES - 1:
                     break
                 await asyncio.sleep(RETRY_S * 2**attempt)  # a replica that just started may not be routed to yet
-        except aiohttp.ClientConnectorError as exc:  # nothing answers at that address: the hello is out of date too
-            item = EngineError(f"connection to {url} lost ({type(exc).__name__}: {exc})")
-            if self.on_unreachable is not None:
-                self.on_unreachable(str(item))
         except (aiohttp.ClientError, asyncio.IncompleteReadError, OSError, asyncio.TimeoutError) as exc:
-            item = EngineError(f"connection to {url} lost ({type(exc).__name__}: {exc})")
+            item = self._failed(exc, f"connection to {url} lost ({type(exc).__name__}: {exc})")
         except (ValueError, KeyError) as exc:  # a broken frame: the stream ends, never hangs
             item = EngineError(f"bad message from {url}: {exc!r}")
         self._tasks.pop(sid, None)

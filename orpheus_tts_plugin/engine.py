@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .backends.protocol import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
 from .codes import FrameParser
-from .config import EngineConfig, SamplingOverrides
+from .config import EngineConfig, SamplingOverrides, check_text_length
 from .decode_worker import CallerStream, DecodeWorker, Utterance
 from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError
 from .loading import load
@@ -47,6 +47,8 @@ __all__ = ["AudioChunk", "OrpheusEngine", "SpeechEngine"]  # AudioChunk and Spee
 
 log = logging.getLogger(__name__)
 
+# What a text over EngineConfig.max_text_chars should do instead (the ValueError's tail).
+TEXT_REMEDY = " (EngineConfig.max_text_chars; None lifts it): pass it a sentence or a paragraph at a time"
 # Counters stats() always has, zero until counted (the others appear when they first happen).
 _STREAM_COUNTERS = ("streams_started", "streams_completed", "streams_cancelled", "streams_failed", "streams_rejected")
 
@@ -296,11 +298,13 @@ class OrpheusEngine:
         Sentence i of a long text is generated with seed + i, so, run alone, it equals that sentence spoken alone
         with seed + i; beside other streams a seed fixes the tokens only with the hf backend's `batch_invariant`
         steps (otherwise the batch's rounding can flip a nearly tied one: docs/engine.md, "Seeds"). Validates
-        eagerly (TypeError/ValueError naming the field). Empty text yields nothing. Long text is split at sentence
-        bounds and spoken in order, each sentence's audio whole before the next. Leaving the loop early, `aclose()`
+        eagerly (TypeError/ValueError naming the field; text over `EngineConfig.max_text_chars`, ValueError naming
+        the limit). Empty text yields nothing. Long text is split at sentence bounds and spoken in order, each
+        sentence's audio whole before the next. Leaving the loop early, `aclose()`
         or cancelling the task aborts the generation within one engine step. `token_log`, if given, receives every
         generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
         """
+        check_text_length(text, self.config.max_text_chars, "the engine's", remedy=TEXT_REMEDY)
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         pieces = self.sentences(text)
         chunks = self._synthesize(pieces, options, token_log)

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..config import EngineConfig, SamplingOverrides, SamplingParams
+from ..config import MAX_TEXT_CHARS, EngineConfig, SamplingOverrides, SamplingParams, check_text_length
 from ..errors import EngineClosedError, EngineError, EngineOverloadedError
 from ..loop_thread import LoopThread, Outbox, SharedInstances
 from ..mailbox import Mailbox
@@ -117,6 +117,7 @@ class RemoteEngine:
         self.sampling = SamplingParams()  # the server's defaults, replaced at each hello
         self.adapters: tuple[str, ...] = ()  # the server's LoRA adapters, replaced at each hello
         self._sentence_max_chars = EngineConfig().sentence_max_chars  # the server's, replaced at each hello
+        self._max_chars = MAX_TEXT_CHARS  # characters a request may have: the server's, replaced at each hello
         self._ssl = ssl
         self._api_key = api_key  # None: Connection.open takes $ORPHEUS_API_KEY
         self._connect_timeout_s = connect_timeout_s
@@ -273,12 +274,14 @@ class RemoteEngine:
         adapter: str | None = None,
         **overrides: Any,
     ) -> Speech:
-        """Speak `text` on a server: a `Speech` as OrpheusEngine.synthesize returns it (validated eagerly).
+        """Speak `text` on a server: a `Speech` as OrpheusEngine.synthesize returns it (validated eagerly; text over
+        the server's `--max-chars`, which its hello names, is a ValueError at once).
 
         The server fills in its own sampling defaults: only the overrides travel; `speed` is stretched by the server's
         engine. Leaving the loop early,
         `aclose()` or cancelling the task sends `cancel` at once.
         """
+        check_text_length(text, self._max_chars, "the server's", remedy=" (serve --max-chars)")
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         sentences = self.sentences(text)
         request = protocol.Start(text, options.voice, options.overrides, options.adapter, options.speed)
@@ -398,6 +401,7 @@ class RemoteEngine:
         self.sampling = hello.sampling
         self.adapters = hello.adapters
         self._sentence_max_chars = hello.sentence_max_chars
+        self._max_chars = hello.max_chars
         self._take_pushed_voices()
         self._count("connects")
         self._connected.set()

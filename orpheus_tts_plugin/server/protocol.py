@@ -25,7 +25,7 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..config import SAMPLING_FIELDS, SamplingOverrides, SamplingParams, check_speed
+from ..config import MAX_TEXT_CHARS, SAMPLING_FIELDS, SamplingOverrides, SamplingParams, check_speed
 from ..errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
 from ..types import AudioChunk
 
@@ -184,6 +184,7 @@ class Hello:
     max_streams: int
     sample_rate: int
     sentence_max_chars: int  # how the server splits text into sentences (AudioChunk.utterance indexes them)
+    max_chars: int = MAX_TEXT_CHARS  # characters of text a request may have (absent from older servers: the default)
     protocol: int = PROTOCOL_VERSION
     adapters: tuple[str, ...] = ()  # its LoRA adapters (EngineConfig.adapters); their voices are among `voices`
     replica: str | None = None  # the replica serving this connection, under Ray Serve (None: a lone server)
@@ -218,6 +219,7 @@ class Hello:
                 max_streams=int(message["max_streams"]),
                 sample_rate=int(message["sample_rate"]),
                 sentence_max_chars=int(message["sentence_max_chars"]),
+                max_chars=int(message.get("max_chars", MAX_TEXT_CHARS)),
                 adapters=tuple(message.get("adapters") or ()),  # absent: a server without adapters
                 replica=message.get("replica"),
                 streams_path=message.get("streams_path"),

@@ -143,6 +143,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         queue_timeout_s=args.queue_timeout,
         token_budget_per_char=args.budget_per_char,
         token_budget_base=args.budget_base,
+        max_text_chars=args.max_chars,  # the engine takes what the server lets in (Policy.max_chars)
         compile=args.compile,
         synthetic=SyntheticConfig(tokens_per_second=args.token_rate, frames_per_prompt_token=args.frames_per_token),
         adapters=_pairs("--adapter", getattr(args, "adapter", [])),

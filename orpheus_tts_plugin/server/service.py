@@ -54,6 +54,7 @@ class Service:
             max_streams=cfg.max_streams,
             sample_rate=SAMPLE_RATE,
             sentence_max_chars=cfg.sentence_max_chars,
+            max_chars=self.policy.max_chars,
             adapters=cfg.adapter_names,
             replica=self.replica,
             # Behind a proxy that routes a WebSocket once, its clients POST each stream: balanced one by one.

@@ -35,7 +35,7 @@ class AgentConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     public_url: str | None = None  # wss://…/ws that Twilio should connect to; default: from the request's Host
-    stt: str = "pocketsphinx"  # pocketsphinx (offline) | whisper (faster-whisper, one model per process: whisper_stt.py)
+    stt: str = "pocketsphinx"  # pocketsphinx (offline) | whisper (faster-whisper, one model a process)
     stt_workers: int = 2  # pocketsphinx decoder processes
     stt_p99_s: float = 3.0  # (pocketsphinx) how late after the speech end a final transcript may come: the turn waits
     cpus: frozenset[int] | None = None  # run the agent's process on these CPUs only

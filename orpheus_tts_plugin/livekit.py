@@ -29,23 +29,22 @@ as the tokenizer splits it (`_SpokenTexts`); one stream is one reply in LiveKit'
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.metadata
 import logging
 import threading
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from .config import EngineConfig, SamplingOverrides
 from .engine import OrpheusEngine
 from .errors import Failure, failure_of, missing_extra
-from .first_phrase import FirstPhrase, FirstPhraseSplitter, min_words_of
+from .first_phrase import FirstPhrase, min_words_of
+from .reply import ReplySpeech, ReplyText, language_voice
 from .spec import SAMPLE_RATE
-from .types import AudioChunk, SpeechEngine, SpeechOptions
+from .types import SpeechEngine, SpeechOptions
 from .weights import download_files
-from .words import DEFAULT_WEIGHTS, Pace, TimedWord, Weights, WordTimer
+from .words import DEFAULT_WEIGHTS, Pace, Weights
 
 try:
     from livekit.agents import (
@@ -101,6 +100,11 @@ def _engine_for(engine: SpeechEngine | EngineConfig | None) -> SpeechEngine:
     return engine
 
 
+def _base(language: LanguageCode | None) -> str | None:
+    """A LiveKit language code's base language ("fr-FR" -> "fr"), as the model family names it."""
+    return None if language is None else language.language
+
+
 class TTS(tts.TTS):
     """Orpheus text-to-speech for LiveKit Agents: 24 kHz mono PCM, streamed as the engine decodes it."""
 
@@ -145,9 +149,8 @@ class TTS(tts.TTS):
         self._language = self._check_language(language)
         self._voice = voice  # as given (None: the language's default voice)
         self._adapter = adapter  # as given (None: the voice's, if any)
-        self._opts: SpeechOptions = self._engine.check_options(
-            self._voice_for(voice, self._language), sampling, adapter=adapter, **overrides
-        )
+        voice_asked = language_voice(self._engine.spec, _base(self._language), voice)
+        self._opts: SpeechOptions = self._engine.check_options(voice_asked, sampling, adapter=adapter, **overrides)
         self._sentence_tokenizer = (
             sentence_tokenizer if utils.is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
         )
@@ -197,9 +200,9 @@ class TTS(tts.TTS):
         if utils.is_given(language):
             new_language = self._check_language(language)
             if not utils.is_given(voice) and self._voice is not None and new_language is not None:
-                new_voice = self._engine.spec.voice_for_language(new_language.language, self._voice)
+                new_voice = language_voice(self._engine.spec, _base(new_language), None, self._voice)
         new_adapter = adapter if utils.is_given(adapter) else self._adapter
-        voice_asked = self._voice_for(new_voice, new_language)
+        voice_asked = language_voice(self._engine.spec, _base(new_language), new_voice)
         changes.setdefault("speed", self._opts.speed)  # kept unless changed, as the sampling overrides are
         opts = self._engine.check_options(voice_asked, self._opts.overrides, adapter=new_adapter, **changes)
         self._opts, self._voice, self._language, self._adapter = opts, new_voice, new_language, new_adapter
@@ -212,12 +215,6 @@ class TTS(tts.TTS):
         code = LanguageCode(language)
         spec.check_language(code.language)
         return code
-
-    def _voice_for(self, voice: str | None, language: LanguageCode | None) -> str | None:
-        """The voice to ask for: `voice` if given, else the default voice of `language` (if known)."""
-        if voice is not None or language is None:
-            return voice
-        return self._engine.spec.voice_for_language(language.language)
 
     def prewarm(self) -> None:
         """Start loading the engine in the background; never blocks the caller's event loop."""
@@ -238,64 +235,22 @@ class TTS(tts.TTS):
         self._streams.clear()
 
 
-@dataclass
-class _Segment:
-    """One emitter segment's word timeline: the samples already pushed into it, the speaking rate learnt."""
-
-    pace: Pace
-    samples: int = 0
-
-    def timed(self, words: list[TimedWord]) -> list[TimedString]:
-        """Words of the request being spoken as LiveKit's timed transcript (seconds from the segment's start)."""
-        at = self.samples / SAMPLE_RATE
-        return [TimedString(f"{w.text} ", start_time=at + w.start_s, end_time=at + w.end_s) for w in words]
-
-
-async def _speak(
-    engine: SpeechEngine,
-    text: str,
-    opts: SpeechOptions,
-    emitter: tts.AudioEmitter,
-    timeout: float,
-    segment: _Segment,
-) -> None:
+async def _speak(reply: ReplySpeech, text: str, emitter: tts.AudioEmitter, timeout: float) -> None:
     """Push the engine's audio for `text` and its timed words into `emitter`, no chunk later than `timeout`.
 
-    Each word is pushed once its estimated end has been generated, before that chunk's audio; failures
-    become API errors.
+    Each word is pushed once its estimated end has been generated, before that chunk's audio (seconds from the
+    segment's first sample: one reply is one segment); failures become API errors.
     """
-    pushed = 0
     try:
-        chunks = engine.synthesize(text, options=opts)
-        words = WordTimer(chunks.sentences, segment.pace, speed=opts.speed)
-        # aclosing: the generation is aborted the moment this task is cancelled, not at garbage collection.
-        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-            async for chunk in _in_time(chunks, timeout):
-                if timed := segment.timed(words.feed(chunk)):
-                    emitter.push_timed_transcript(timed)
-                if chunk.pcm:
-                    emitter.push(chunk.pcm)
-                pushed = chunk.start_sample + chunk.num_samples
+        async for spoken in reply.speak(text, timeout):
+            if spoken.words:
+                emitter.push_timed_transcript(
+                    [TimedString(f"{w.text} ", start_time=w.start_s, end_time=w.end_s) for w in spoken.words]
+                )
+            if spoken.chunk.pcm:
+                emitter.push(spoken.chunk.pcm)
     except Exception as exc:
-        raise _api_error(exc, serving=engine.health()["status"] not in ("failed", "closed")) from exc
-    finally:
-        segment.samples += pushed
-
-
-async def _in_time(chunks: AsyncGenerator[AudioChunk, None], timeout: float) -> AsyncIterator[AudioChunk]:
-    """The chunks of `chunks`, each within `timeout` seconds of the previous one (the first: of the request).
-
-    Past it, TimeoutError; the wait was cancelled inside the engine's generator, which aborts the
-    engine request within one engine step. The wait for a cold engine's load counts too: nothing
-    waits without bound, and a `FallbackAdapter` speaks through its next TTS while the model loads.
-    """
-    while True:
-        try:
-            yield await asyncio.wait_for(chunks.__anext__(), timeout)
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:  # builtin TimeoutError from 3.11; a distinct class on 3.10
-            raise TimeoutError(f"no audio from the engine within {timeout:g} s (conn_options.timeout)") from None
+        raise _api_error(exc, serving=reply.serving) from exc
 
 
 def _api_error(exc: Exception, *, serving: bool = True) -> APIError:
@@ -354,8 +309,8 @@ class ChunkedStream(tts.ChunkedStream):
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=False)
-        segment = _Segment(self._pace)
-        await _speak(self._engine, self.input_text, self._opts, output_emitter, self._timeout, segment)
+        reply = ReplySpeech(self._engine, self._opts, self._pace)
+        await _speak(reply, self.input_text, output_emitter, self._timeout)
         # no flush(): the base class ends the input, so the last audio frame itself carries is_final
 
 
@@ -423,77 +378,40 @@ class SynthesizeStream(tts.SynthesizeStream):
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=True)
-        texts = _SpokenTexts(self._sentence_tokenizer.stream(), self._first_phrase)
+        texts: asyncio.Queue[str | None] = asyncio.Queue()
         forward = asyncio.create_task(self._forward_input(texts), name="orpheus.forward_input")
+        reply = ReplySpeech(self._engine, self._opts, self._pace)
         try:
-            segment: _Segment | None = None
-            async for text in texts.spoken():
-                if segment is None:
+            started = False
+            while (text := await texts.get()) is not None:
+                if not started:
                     output_emitter.start_segment(segment_id=utils.shortuuid())
-                    segment = _Segment(self._pace)
+                    started = True
                 self._mark_started()  # LiveKit's only start of the stream's metrics clock (tts/tts.py)
-                await _speak(self._engine, text, self._opts, output_emitter, self._timeout, segment)
+                await _speak(reply, text, output_emitter, self._timeout)
             await forward
-            if segment is not None:
+            if started:
                 output_emitter.end_segment()
         finally:
             await utils.aio.cancel_and_wait(forward)
-            await texts.aclose()
+            await reply.discard()  # aborts whatever is still generating (nothing, once it ended whole)
 
-    async def _forward_input(self, sentences: _SpokenTexts) -> None:
-        """Feed pushed text to the sentence splitter; the first flush after some text ends the stream's segment."""
+    async def _forward_input(self, texts: asyncio.Queue[str | None]) -> None:
+        """Cut pushed text into what to speak (first phrase, sentences); the first flush after some text ends the
+        stream's segment."""
+        reply = ReplyText(self._first_phrase, self._sentence_tokenizer.tokenize)
         has_text = False
         async for data in self._pushed.replay():
             if data is None:  # a flush
                 if has_text:
                     break  # LiveKit drops text pushed after a segment's flush: nothing more can come
                 continue
-            sentences.push_text(data)
+            for text in reply.feed(data):
+                texts.put_nowait(text)
             has_text = True
-        sentences.end_input()
-
-
-class _SpokenTexts:
-    """What one stream speaks, in order: its first phrase if `rule` cuts one, then the sentence tokenizer's sentences.
-
-    The text is held back from the tokenizer until the first phrase is cut or a sentence ends first (then the
-    tokenizer gets it all, as without a rule). Fed by the stream's input task, read by its `_run`, one loop.
-    """
-
-    def __init__(self, sentences: tokenize.SentenceStream, rule: FirstPhrase | None):
-        self._sentences = sentences
-        self._splitter = None if rule is None else FirstPhraseSplitter(rule)
-        self._first: str | None = None
-        self._decided = asyncio.Event()  # whether a first phrase comes before the sentences is known
-        if self._splitter is None:
-            self._decided.set()
-
-    def push_text(self, text: str) -> None:
-        if self._splitter is None or self._splitter.decided:
-            self._sentences.push_text(text)
-            return
-        self._first, rest = self._splitter.feed(text)
-        if rest:
-            self._sentences.push_text(rest)
-        if self._splitter.decided:
-            self._decided.set()
-
-    def end_input(self) -> None:
-        if self._splitter is not None and (rest := self._splitter.finish()):
-            self._sentences.push_text(rest)
-        self._decided.set()
-        self._sentences.end_input()
-
-    async def spoken(self) -> AsyncIterator[str]:
-        """Each text to speak, as soon as it is known."""
-        await self._decided.wait()
-        if self._first:
-            yield self._first
-        async for sentence in self._sentences:
-            yield sentence.token
-
-    async def aclose(self) -> None:
-        await self._sentences.aclose()
+        for text in reply.finish():
+            texts.put_nowait(text)
+        texts.put_nowait(None)
 
 
 # ---------------------------------------------------------------------------------------------- worker set-up

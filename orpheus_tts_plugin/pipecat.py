@@ -28,7 +28,6 @@ Pipecat's public API only (tests/adapters/test_public_api.py); each workaround n
 from __future__ import annotations
 
 import asyncio
-import bisect
 import dataclasses
 import inspect
 import logging
@@ -40,10 +39,12 @@ from typing import Any, cast
 from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
 from .engine import OrpheusEngine
 from .errors import EngineError, EngineFailedError, EngineOverloadedError, Failure, failure_of, missing_extra
-from .first_phrase import FirstPhrase, FirstPhraseSplitter, min_words_of
-from .spec import SAMPLE_RATE, ModelSpec
-from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
-from .words import DEFAULT_WEIGHTS, Pace, Weights, WordTimer
+from .first_phrase import FirstPhrase, min_words_of
+from .pipecat_turns import ReplyHoldFrame, ReplyReleaseFrame
+from .reply import ReplyDiscarded, ReplySpeech, ReplyText, language_voice
+from .spec import ModelSpec
+from .types import AudioChunk, SpeechEngine, SpeechOptions
+from .words import DEFAULT_WEIGHTS, Pace, Weights
 
 try:
     from pipecat.audio.utils import create_stream_resampler
@@ -72,7 +73,6 @@ try:
         from pipecat.utils.text.base_text_aggregator import TextType
     except ImportError:  # pipecat-ai 1.12 names it AggregationType (TextType's deprecated alias in 1.14)
         from pipecat.utils.text.base_text_aggregator import AggregationType as TextType
-    from pipecat.utils.text.simple_text_aggregator import SimpleTextAggregator
     from pipecat.utils.tracing.service_decorators import traced_tts
     from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
@@ -118,89 +118,34 @@ def _language_of(spec: ModelSpec) -> Language | str:
         return code
 
 
-class _Playout:
-    """When each sample of a context's audio plays, in seconds after its first chunk: the words' timeline.
-
-    A chunk plays once it is delivered and once the audio before it has played, as a listener's buffer
-    plays it (the transport passes audio on as it comes). So when generation falls behind real time, the
-    gap delays every later word with the audio, and a word's `pts` stays where its audio is heard.
-    """
-
-    def __init__(self, sample_rate: int):
-        self._rate = sample_rate
-        self._t0: float | None = None
-        self._played = 0.0  # when the audio delivered so far has finished playing
-        self._samples = 0  # samples delivered so far, all the context's requests
-        self._starts: list[int] = []  # the first sample of each chunk
-        self._times: list[float] = []  # when that chunk starts playing
-
-    def deliver(self, now: float, num_samples: int) -> int:
-        """Note a chunk delivered at `now` (seconds, any clock); returns the context sample it begins at."""
-        if self._t0 is None:
-            self._t0 = now
-        start = max(now - self._t0, self._played)
-        self._starts.append(self._samples)
-        self._times.append(start)
-        self._played = start + num_samples / self._rate
-        self._samples += num_samples
-        return self._starts[-1]
-
-    def seconds_at(self, sample: int) -> float:
-        """When context sample `sample` (already delivered) plays, in seconds after the first chunk."""
-        i = max(bisect.bisect_right(self._starts, sample) - 1, 0)
-        return self._times[i] + (sample - self._starts[i]) / self._rate
-
-
 class FirstPhraseTextAggregator(BaseTextAggregator):
-    """Pipecat's sentence aggregation, but each reply's first phrase goes out at its first clause mark after
-    `FirstPhrase.min_words` words (first_phrase.py); the rest of the reply follows in sentences from `sentences`
-    (Pipecat's `SimpleTextAggregator` by default). A reply ends at `flush()` (Pipecat: the LLM response's end).
-    """
+    """Pipecat's text aggregator for speech from the first phrase: each reply's first phrase at its first clause mark
+    after `FirstPhrase.min_words` words, then its sentences (`reply.ReplyText`). A reply ends at `flush()`."""
 
-    def __init__(self, rule: FirstPhrase | int = 3, *, sentences: BaseTextAggregator | None = None, **kwargs: Any):
+    def __init__(self, rule: FirstPhrase | int = 3, **kwargs: Any):
         super().__init__(aggregation_type=TextType.SENTENCE, **kwargs)
         self._rule = cast(FirstPhrase, min_words_of(rule))
-        self._sentences = sentences or SimpleTextAggregator(language=self.language)
-        self._reply = FirstPhraseSplitter(self._rule)  # the current reply's; a new one at each reply's end
+        self._reply = ReplyText(self._rule)  # the current reply's; a new one at each reply's end
 
     @property
     def text(self) -> Aggregation:
-        """The text held: the reply's head not yet cut, then the sentence aggregator's."""
-        held = (self._reply.held + self._sentences.text.text).strip(" ")
-        return Aggregation(text=held, type=TextType.SENTENCE)
-
-    def set_language(self, language: str | None) -> None:
-        """Pipecat's, for the sentence aggregator too."""
-        super().set_language(language)
-        self._sentences.set_language(language)
+        return Aggregation(text=self._reply.held, type=TextType.SENTENCE)
 
     async def aggregate(self, text: str) -> AsyncGenerator[Aggregation, None]:
-        """The reply's first phrase once cut, then its sentences as the sentence aggregator completes them."""
-        phrase, rest = self._reply.feed(text)
-        if phrase:
-            yield Aggregation(text=phrase, type=TextType.SENTENCE)
-        if rest:
-            async for aggregation in self._sentences.aggregate(rest):
-                yield aggregation
+        for piece in self._reply.feed(text):
+            yield Aggregation(text=piece, type=TextType.SENTENCE)
 
     async def flush(self) -> Aggregation | None:
         """The reply's end: all the text still held, as one aggregation; the next text begins a new reply."""
-        rest, self._reply = self._reply.finish(), FirstPhraseSplitter(self._rule)
-        texts = [a.text async for a in self._sentences.aggregate(rest)] if rest else []
-        if (last := await self._sentences.flush()) is not None:
-            texts.append(last.text)
-        text = " ".join(t for t in texts if t.strip())
+        text = " ".join(self._reply.finish())
+        self._reply = ReplyText(self._rule)
         return Aggregation(text=text, type=TextType.SENTENCE) if text else None
 
     async def handle_interruption(self) -> None:
-        """Drop the interrupted reply's text; the next text begins a new reply."""
-        self._reply = FirstPhraseSplitter(self._rule)
-        await self._sentences.handle_interruption()
+        self._reply = ReplyText(self._rule)
 
     async def reset(self) -> None:
-        """Back to the start of a reply, holding nothing."""
-        self._reply = FirstPhraseSplitter(self._rule)
-        await self._sentences.reset()
+        self._reply = ReplyText(self._rule)
 
 
 @dataclass
@@ -282,8 +227,8 @@ class OrpheusTTSService(TTSService):
         self._ready_handlers: list[Callable[..., Any]] = []  # on_engine_ready's
         self._keepalive_s = kwargs.get("stop_frame_timeout_s", _STOP_FRAME_TIMEOUT_S) / 2
         super().__init__(push_start_frame=True, push_stop_frames=True, push_text_frames=False, settings=store, **kwargs)
-        self._streams: dict[str, Speech] = {}
-        self._playouts: dict[str, _Playout] = {}  # per audio context: where its words play
+        self._replies: dict[str, ReplySpeech] = {}  # per audio context (one per turn): its speech, held or not
+        self._holding = False  # a reply begun now is held until its turn is confirmed (ReplyHoldFrame)
         self._pace = Pace(word_weights)  # this call's speaking rate, learnt sentence by sentence
         # Contexts given to the engine (run_tts ran for them) -> whether one of their requests failed, reported.
         self._asked_contexts: dict[str, bool] = {}
@@ -405,7 +350,7 @@ class OrpheusTTSService(TTSService):
         if self._overloaded and not full:
             self._overloaded = False
             await self.set_usable(True)  # Pipecat's on_usable_changed(service, True): the app may switch back
-        elif full and not self._overloaded and self.is_usable and not self._streams and self._engine.ready:
+        elif full and not self._overloaded and self.is_usable and not self._replies and self._engine.ready:
             await self._report_failure(EngineOverloadedError("engine at capacity: no room for a new stream"))
 
     async def _keep_context_open(self) -> None:
@@ -448,10 +393,8 @@ class OrpheusTTSService(TTSService):
         if not isinstance(delta.language, str) or is_given(delta.voice):
             return delta
         current_voice = current.voice if isinstance(current.voice, str) else None
-        voice = self._engine.spec.voice_for_language(delta.language, current_voice)
-        if voice == current_voice:
-            return delta
-        return dataclasses.replace(delta, voice=voice)
+        voice = language_voice(self._engine.spec, delta.language, None, current_voice)
+        return delta if voice == current_voice else dataclasses.replace(delta, voice=voice)
 
     def _options(self, settings: OrpheusTTSSettings) -> SpeechOptions:
         """The engine's checked options for `settings`: checked once each time they change, then passed as they are."""
@@ -494,6 +437,11 @@ class OrpheusTTSService(TTSService):
                 return
             if delta is not given:
                 frame = dataclasses.replace(frame, delta=delta, settings={})
+        if isinstance(frame, (ReplyHoldFrame, ReplyReleaseFrame, InterruptionFrame)):
+            self._holding = isinstance(frame, ReplyHoldFrame)
+            if isinstance(frame, ReplyReleaseFrame):
+                for reply in self._replies.values():
+                    reply.release()
         if self._first_phrase_text is not None and await self._first_phrase_aggregates(frame, direction):
             return
         await super().process_frame(frame, direction)
@@ -544,40 +492,41 @@ class OrpheusTTSService(TTSService):
         the engine's load if it is still running. A failure is reported at once, and the context is then
         closed with the turn (see `on_turn_context_completed`).
         """
-        settings = self.settings
         self._asked_contexts.setdefault(context_id, False)
         self._last_run_yielded_audio = False
         try:
-            options = self._options(settings)
-            stream = self._engine.synthesize(text, options=options)
+            reply = self._reply_for(context_id, self._options(self.settings))
         except (ValueError, TypeError) as exc:
             await self._report_failure(exc, context_id)
             return
-        self._streams[context_id] = stream
-        words = WordTimer(stream.sentences, self._pace, speed=options.speed)
-        playout = self._playouts.setdefault(context_id, _Playout(SAMPLE_RATE))
         await self.start_tts_usage_metrics(text)
         await self._pcm_resampler.reset()
         keepalive = self.create_task(self._keep_context_open(), name="context_keepalive")
         try:
-            offset = None
-            async for chunk in stream:
-                audio = await self._to_output_rate(chunk)
+            async for spoken in reply.speak(text):
+                audio = await self._to_output_rate(spoken.chunk)
                 if audio:
                     self._last_run_yielded_audio = True
                     yield TTSAudioRawFrame(audio, self.sample_rate, 1, context_id=context_id)
-                at = playout.deliver(self.get_clock().get_time() / 1e9, chunk.num_samples)
-                offset = at - chunk.start_sample if offset is None else offset
-                timed = [(w.text, playout.seconds_at(offset + w.start)) for w in words.feed(chunk)]
-                if timed:
+                if timed := [(w.text, reply.playout.seconds_at(w.start)) for w in spoken.words]:
                     await self.add_word_timestamps(timed, context_id)
+        except ReplyDiscarded:
+            pass  # the caller went on: nothing of this reply is heard
         except Exception as exc:  # noqa: BLE001 - mapped in _report_failure; a start failure is not an EngineError
             await self._report_failure(exc, context_id)
         finally:
             await self.cancel_task(keepalive)
-            if self._streams.get(context_id) is stream:
-                del self._streams[context_id]
-            await stream.aclose()
+
+    def _reply_for(self, context_id: str, options: SpeechOptions) -> ReplySpeech:
+        """The context's reply (a new one held while a turn awaits confirmation), speaking with `options` from now."""
+        reply = self._replies.get(context_id)
+        if reply is None:
+            clock = self.get_clock()
+            held, seconds = self._holding, lambda: clock.get_time() / 1e9
+            reply = ReplySpeech(self._engine, options, self._pace, held=held, clock=seconds)
+            self._replies[context_id] = reply
+        reply.options = options
+        return reply
 
     async def _to_output_rate(self, chunk: AudioChunk) -> bytes:
         """Resample 24 kHz engine audio to the pipeline's rate, flushing the filter at the utterance's end."""
@@ -646,15 +595,14 @@ class OrpheusTTSService(TTSService):
 
     # ---------------------------------------------------------------- interruption
     async def on_audio_context_interrupted(self, context_id: str) -> None:
-        """Barge-in: abort the engine request still generating this context's audio."""
+        """Barge-in: discard the context's reply (its engine requests aborted, held audio dropped)."""
         self._asked_contexts.pop(context_id, None)
-        self._playouts.pop(context_id, None)
-        await self._close_stream(context_id)
+        await self._discard(context_id)
 
     async def on_audio_context_completed(self, context_id: str) -> None:
         """The context's audio is all out: forget its timeline, and take it out of the silence count if it says
         nothing about the engine (the base restarts word timing with the next)."""
-        self._playouts.pop(context_id, None)
+        self._replies.pop(context_id, None)
         if self._no_evidence(context_id):
             await self._restart_silence_count()
         self._asked_contexts.pop(context_id, None)
@@ -680,13 +628,11 @@ class OrpheusTTSService(TTSService):
             await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
             await self.remove_audio_context(context_id)
 
-    async def _close_stream(self, context_id: str) -> None:
-        stream = self._streams.pop(context_id, None)
-        if stream is not None:
-            await stream.aclose()
+    async def _discard(self, context_id: str) -> None:
+        if (reply := self._replies.pop(context_id, None)) is not None:
+            await reply.discard()
 
     async def _close_all_streams(self) -> None:
-        for context_id in list(self._streams):
-            await self._close_stream(context_id)
+        for context_id in list(self._replies):
+            await self._discard(context_id)
         self._asked_contexts.clear()
-        self._playouts.clear()

@@ -97,7 +97,8 @@ class SpeculationTally:
         self._counts: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
 
     def open(self) -> Speculation:
-        """A new speculation, counted once the engine admits it."""
+        """A new speculation, counted once the engine admits it (and those dropped since the last call settled)."""
+        self._take_dropped()
         return Speculation(self)
 
     def stats(self) -> dict[str, float]:

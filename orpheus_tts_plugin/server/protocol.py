@@ -210,7 +210,7 @@ class Hello:
         out["voices"] = list(self.voices)
         out["adapters"] = list(self.adapters)
         for optional in ("replica", "streams_path", "speculation"):  # absent when unset: the hello older clients know
-            if not out[optional]:
+            if out[optional] in (None, False):
                 del out[optional]
         return {"type": "hello", **out}
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from orpheus_tts_plugin import RemoteEngine
+from orpheus_tts_plugin import EngineConfig, RemoteEngine
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.spec import SAMPLE_RATE, SAMPLES_PER_FRAME
 from orpheus_tts_plugin.speculation import STAT_KEYS
-from tests.server.harness import TEXT, engine_of, idle, metric, until
+from tests.server.harness import TEXT, engine_of, idle, metric, serving, until
 
 SHORT = {"text": "Hello there.", "max_tokens": 56}  # ends whole soon at either pace
 SETTLED = "orpheus_speculative_streams_settled_total"
@@ -84,3 +84,22 @@ async def test_a_closed_connection_discards_its_unsettled_speculations_and_plain
     finally:
         await client.aclose()
     await until(lambda: _counts(engine.stats(), before) == (1, 0, 1))
+
+
+async def test_posted_streams_behind_a_proxy_are_counted_by_the_client_only(config: EngineConfig) -> None:
+    with serving(config, replica="r1") as srv:
+        engine = engine_of(srv)
+        client = RemoteEngine(srv.url)
+        try:
+            confirmed = client.synthesize(**SHORT, speculative=True)
+            assert [chunk async for chunk in confirmed][-1].final
+            confirmed.confirm()
+            discarded = client.synthesize(**SHORT, speculative=True)
+            await anext(discarded)
+            await discarded.aclose()
+            await until(lambda: idle(srv))
+            assert client.stats()["servers"][srv.url]["replicas"] == {"r1": 2}  # both were posted
+            assert _counts(client.stats(), dict.fromkeys(STAT_KEYS, 0)) == (2, 1, 1)
+            assert _counts(engine.stats(), dict.fromkeys(STAT_KEYS, 0)) == (0, 0, 0)
+        finally:
+            await client.aclose()

@@ -19,8 +19,9 @@ import asyncio
 import bisect
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .first_phrase import SENTENCE_MARKS, FirstPhrase, FirstPhraseSplitter
 from .spec import SAMPLE_RATE, ModelSpec
@@ -150,6 +151,7 @@ class ReplySpeech:
         if not held:
             self._released.set()
         self._discarded = False
+        self._gone = asyncio.Event()  # set at discard: wakes a speculative `speak` waiting on the engine
         self._streams: list[Speech] = []  # every stream of a speculative reply (confirmed at release), else open ones
         self._clock = clock or asyncio.get_running_loop().time
         self.samples = 0  # reply samples given out so far
@@ -174,7 +176,7 @@ class ReplySpeech:
         if self._discarded or self._released.is_set():
             return
         for stream in self._streams:
-            getattr(stream, "confirm", lambda: None)()  # TEMP
+            stream.confirm()
         self._released.set()
 
     async def discard(self) -> None:
@@ -182,10 +184,11 @@ class ReplySpeech:
         if self._discarded:
             return
         self._discarded = True
-        self._released.set()  # wakes a held `speak`, which then stops
+        self._gone.set()  # wakes a `speak` waiting for its release or for the engine: it closes its own stream
         streams, self._streams = self._streams, []
         for stream in streams:
-            await stream.aclose()
+            with contextlib.suppress(RuntimeError):  # "already running": being closed by its own `speak` task
+                await stream.aclose()
 
     async def speak(self, text: str, timeout: float | None = None) -> AsyncIterator[Spoken]:
         """`text`'s audio, chunk by chunk, each with the words it completes, once the reply is released.
@@ -197,15 +200,15 @@ class ReplySpeech:
         if self._discarded:
             raise ReplyDiscarded("reply discarded")
         speculative = self._speculative and self.held
-        stream = self._engine.synthesize(text, options=self.options, **({'speculative': True} if speculative else {}))  # TEMP
+        stream = self._engine.synthesize(text, options=self.options, speculative=speculative)
         self._streams.append(stream)
         words = WordTimer(stream.sentences, self._pace, speed=self.options.speed)
         base = self.samples
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                async for chunk in _in_time(stream, timeout):
+                async for chunk in _in_time(stream, timeout, self._gone if self._speculative else None):
                     if not self._released.is_set():
-                        await self._released.wait()
+                        await _first(self._released.wait(), self._gone.wait())
                     if self._discarded:
                         raise ReplyDiscarded("reply discarded")
                     start = base + chunk.start_sample
@@ -218,18 +221,40 @@ class ReplySpeech:
                 self._streams.remove(stream)  # a confirmed or plain stream needs nothing more at release
 
 
-async def _in_time(chunks: Speech, timeout: float | None) -> AsyncIterator[AudioChunk]:
+async def _first(*waits: Awaitable[Any]) -> None:
+    """Wait until the first of `waits` is done; the others are cancelled."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _in_time(chunks: Speech, timeout: float | None, gone: asyncio.Event | None) -> AsyncIterator[AudioChunk]:
     """The chunks of `chunks`, each within `timeout` seconds of the previous one (the first: of the request).
 
     Past it, TimeoutError; the wait was cancelled inside the engine's generator, which aborts the engine request
-    within one engine step. The wait for a cold engine's load counts too.
+    within one engine step. The wait for a cold engine's load counts too. `gone`: the wait also ends, with
+    ReplyDiscarded, when it is set (the reply is discarded from another task; a speculative reply only, as a race
+    costs a task a chunk).
     """
     while True:
+        step = chunks.__anext__() if timeout is None else asyncio.wait_for(chunks.__anext__(), timeout)
         try:
-            if timeout is None:
-                yield await chunks.__anext__()
-            else:
-                yield await asyncio.wait_for(chunks.__anext__(), timeout)
+            if gone is None:
+                yield await step
+                continue
+            task = asyncio.ensure_future(step)
+            try:
+                await _first(asyncio.shield(task), gone.wait())
+            finally:  # discarded, or this task cancelled: the engine's generator must not be left running
+                if not task.done():
+                    task.cancel()  # cancelled inside the engine's generator: the request is aborted within one step
+                    await asyncio.wait([task])
+            if task.cancelled():
+                raise ReplyDiscarded("reply discarded")
+            yield task.result()
         except StopAsyncIteration:
             return
         except asyncio.TimeoutError:  # builtin TimeoutError from 3.11; a distinct class on 3.10

@@ -63,14 +63,6 @@ def llm_url(chat_model: Path, llm_log: Path) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="module")
-def question(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    """The caller's question (8 kHz μ-law), made from text by the example's fixture script (espeak-ng)."""
-    from examples.pipecat_phone_agent.make_fixtures import make_fixtures
-
-    return make_fixtures(tmp_path_factory.mktemp("caller-fixtures"))["question"]
-
-
 async def ask_and_hear_the_reply(ws_url: str, question: bytes) -> tuple[Line, float]:
     """Greeting, question, a second of the reply, hang up: the line and when the question's speech ended."""
     async with websockets.connect(ws_url, max_size=None) as ws:
@@ -106,7 +98,8 @@ def test_a_call_with_a_real_openai_compatible_llm_is_answered_with_speech_of_the
     assert spoken and spoken[0] == GREETING, spoken
     assert reply and GREETING not in reply and "Sorry" not in reply  # the LLM's own text reached the TTS
     assert line.audio_seconds(asked, float("inf")) > 0.5  # ... and the caller heard it
-    assert not re.search(r"\| (ERROR|CRITICAL) +\|", text) and "Traceback" not in text, text[-4000:]
+    errors = re.findall(r".*(?:\| (?:ERROR|CRITICAL) +\||Something went wrong|Traceback).*", text)
+    assert not errors, errors  # no error logged, and no ErrorFrame reached the pipeline's worker (its warning)
     assert stats["calls"] == {"active": 0, "total": 1} and stats["engine"]["active_streams"] == 0
     requests = [ln for ln in llm_log.read_text().splitlines() if "prompt tokens" in ln]
     assert requests and all(f"'max_new_tokens': {REPLY_MAX_TOKENS}" in ln for ln in requests), requests

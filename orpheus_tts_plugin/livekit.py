@@ -1,62 +1,52 @@
 """LiveKit Agents adapter: an Orpheus `tts.TTS` on one process-wide engine shared by every job of a worker.
 
-Every job of a worker that runs with the thread job executor (`JobExecutorType.THREAD`) lives in the
-worker process, each on its own event loop in its own thread; `OrpheusEngine` serves all of them at
-once, so one GPU engine speaks for every call. `server_options()` gives the `AgentServer` keyword
-arguments for that set-up (thread executor, a `load_fnc` reporting the engine's load, a threshold), or,
-with `server_url`, for LiveKit's default process-per-job executor, every job reaching `orpheus-tts serve`
-through `remote_engine(url)` (a `RemoteEngine`: one connection per server per job process; `url` may
-list several servers, and each stream then goes to the least-loaded one).
+The worker set-up (`server_options`, `prewarm_engine`, `remote_engine`, `engine_load_fnc`, the `OrpheusPlugin`
+registered on import: its `download_files()` fetches the weights) is in livekit_worker.py, re-exported here.
+Importing does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
 
-Importing this module registers `OrpheusPlugin` (whose `download_files()` fetches the weights) and
-does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
+LiveKit's contract (docs/livekit.md, "Timeouts, retries and failover"): `conn_options.timeout` bounds the wait for
+each request's first audio and for every later chunk; past it the engine request is aborted and `APITimeoutError`
+(retryable) is raised. Engine errors map to LiveKit errors in `_api_error`, whose `retryable` flags decide LiveKit's
+retries; `tts.FallbackAdapter` fails over on any of them.
 
-LiveKit's contract (docs/livekit.md, "Timeouts, retries and failover"): `conn_options.timeout` bounds
-the wait for each request's first audio and for every later chunk; past it the engine request is
-aborted and `APITimeoutError` (retryable) is raised. Engine errors map to LiveKit errors in
-`_api_error`, whose `retryable` flags decide LiveKit's retries; `tts.FallbackAdapter` fails over on
-any of them.
-
-Aligned transcripts (`capabilities.aligned_transcript`): every stream pushes its words as `TimedString`s,
-seconds from the segment's first sample, estimated by `words.WordTimer`; with
-`AgentSession(use_tts_aligned_transcript=True)` an interrupted reply is cut where its audio stopped.
-
-Speech from the first phrase (`TTS(first_phrase=N)`): a stream holds its text back from the sentence
-tokenizer until its first clause mark after N words (first_phrase.py), speaks that phrase, then the rest
-as the tokenizer splits it (`_SpokenTexts`); one stream is one reply in LiveKit's AgentSession.
+Each stream (one reply in LiveKit's AgentSession) speaks through the reply room (reply.py): its first phrase
+(`TTS(first_phrase=N)`), then sentences as the sentence tokenizer cuts them, and its words as `TimedString`s
+(`capabilities.aligned_transcript`), seconds from the segment's first sample. LiveKit's preemptive generation
+(`preemptive_tts`) runs and cancels syntheses itself: a cancelled one is closed at once, its engine stream aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import logging
-import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from .config import EngineConfig, SamplingOverrides
-from .engine import OrpheusEngine
 from .errors import Failure, failure_of, missing_extra
 from .first_phrase import FirstPhrase, min_words_of
-from .reply import ReplySpeech, ReplyText, language_voice
+from .livekit_worker import (
+    OrpheusPlugin,
+    _engine_for,
+    download_files,
+    engine_load_fnc,
+    prewarm_engine,
+    remote_engine,
+    server_options,
+)
+from .reply import ReplayText, ReplySpeech, ReplyText, language_voice
 from .spec import SAMPLE_RATE
 from .types import SpeechEngine, SpeechOptions
-from .weights import download_files
 from .words import DEFAULT_WEIGHTS, Pace, Weights
 
 try:
     from livekit.agents import (
         DEFAULT_API_CONNECT_OPTIONS,
-        AgentServer,
         APIConnectionError,
         APIConnectOptions,
         APIError,
         APIStatusError,
         APITimeoutError,
-        JobExecutorType,
-        Plugin,
         tokenize,
         tts,
         utils,
@@ -83,21 +73,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NUM_CHANNELS = 1
-_used_configs: dict[EngineConfig, None] = {}  # configs this process builds engines from, for download_files()
-_used_lock = threading.Lock()
-
-
-def _engine_for(engine: SpeechEngine | EngineConfig | None) -> SpeechEngine:
-    """The given engine (in process or a RemoteEngine), or the process-wide engine of a config (default if None)."""
-    if engine is not None and not isinstance(engine, EngineConfig):
-        config = engine.config
-    else:
-        config = engine or EngineConfig()
-        engine = OrpheusEngine.shared(config)
-    if isinstance(config, EngineConfig):  # a RemoteEngine's weights live on its server
-        with _used_lock:
-            _used_configs[config] = None
-    return engine
 
 
 def _base(language: LanguageCode | None) -> str | None:
@@ -314,38 +289,6 @@ class ChunkedStream(tts.ChunkedStream):
         # no flush(): the base class ends the input, so the last audio frame itself carries is_final
 
 
-class _PushedText:
-    """The text pushed to a stream so far, each flush as None, replayed from the start for each attempt."""
-
-    def __init__(self) -> None:
-        self._items: list[str | None] = []
-        self._ended = False
-        self._changed = asyncio.Event()
-
-    def add(self, item: str | None) -> None:
-        """Keep a token (empty ones are dropped, as LiveKit does) or a flush (None), unless the input has ended."""
-        if item != "" and not self._ended:
-            self._items.append(item)
-            self._changed.set()
-
-    def end(self) -> None:
-        """No more text will come."""
-        self._ended = True
-        self._changed.set()
-
-    async def replay(self) -> AsyncIterator[str | None]:
-        """Everything pushed, from the first token, waiting for more until the input ends."""
-        sent = 0
-        while True:
-            while sent < len(self._items):
-                sent += 1
-                yield self._items[sent - 1]
-            if self._ended:
-                return
-            self._changed.clear()
-            await self._changed.wait()
-
-
 class SynthesizeStream(tts.SynthesizeStream):
     """`TTS.stream()`: pushed text is sent to the engine a sentence at a time; one segment per stream."""
 
@@ -357,7 +300,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         self._first_phrase = tts._first_phrase
         self._pace = tts._pace
         self._timeout = conn_options.timeout  # LiveKit keeps conn_options private (tts/tts.py SynthesizeStream)
-        self._pushed = _PushedText()
+        self._pushed = ReplayText()
 
     # LiveKit gives a stream's pushed text to its subclass only through private names (SynthesizeStream._input_ch
     # and _FlushSentinel, tts/tts.py), so the public push_text/flush/end_input also keep it here, for every attempt.
@@ -412,101 +355,3 @@ class SynthesizeStream(tts.SynthesizeStream):
         for text in reply.finish():
             texts.put_nowait(text)
         texts.put_nowait(None)
-
-
-# ---------------------------------------------------------------------------------------------- worker set-up
-def prewarm_engine(engine: SpeechEngine | EngineConfig | None = None) -> SpeechEngine:
-    """Start loading an engine (a config's process-wide engine, or connecting a RemoteEngine); returns at once.
-
-    Call it from `setup_fnc`: loading a 3B model outlasts the worker's initialize timeout. A synthesis
-    made before loading ends waits for it, up to `conn_options.timeout` per attempt. A failed load is
-    logged by the engine and re-raised by every later synthesis.
-    """
-    engine = _engine_for(engine)
-    engine.prewarm()
-    return engine
-
-
-def remote_engine(url: str | Sequence[str]) -> SpeechEngine:
-    """This process's RemoteEngine for an `orpheus-tts serve` URL, or for several servers (a sequence or a
-    comma-separated string: each stream goes to the least-loaded); one connection per server, made at once."""
-    from .server.client import RemoteEngine
-
-    engine = RemoteEngine.shared(url)
-    engine.prewarm()
-    return engine
-
-
-def engine_load_fnc(
-    engine: SpeechEngine | EngineConfig | None = None, *, max_jobs: int | None = None
-) -> Callable[[AgentServer], float]:
-    """A worker `load_fnc`: the engine's stream load (fraction of `max_streams` in use), in [0, 1].
-
-    A call holds an engine stream only while it speaks, so give `max_jobs` (calls one worker can
-    serve) to report `active jobs / max_jobs` when that is higher. A failed or closed engine serves
-    nothing more, so the worker then reports itself full and LiveKit sends new calls elsewhere. For a
-    RemoteEngine the load is the server's own (1.0 while it cannot be reached; with several servers their
-    mean), so workers of the process executor report the shared engine servers' load.
-    """
-    engine = _engine_for(engine)
-    if max_jobs is not None and max_jobs < 1:
-        raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
-
-    def load(server: AgentServer) -> float:
-        if engine.health()["status"] in ("failed", "closed"):
-            return 1.0
-        jobs = len(server.active_jobs) / max_jobs if max_jobs else 0.0
-        return min(1.0, max(engine.load, jobs))
-
-    return load
-
-
-def server_options(
-    engine: SpeechEngine | EngineConfig | None = None,
-    *,
-    server_url: str | Sequence[str] | None = None,
-    load_threshold: float = 0.8,
-    max_jobs: int | None = None,
-) -> dict[str, Any]:
-    """`AgentServer(**server_options(...), ...)` keyword arguments for one engine shared by all jobs.
-
-    In-process (the default): the thread job executor, every job on this process's engine. With
-    `server_url` (an `orpheus-tts serve` on this machine or another, or several: a sequence or "URL,URL"):
-    LiveKit's default process executor, each job process reaching the servers through
-    `remote_engine(server_url)`, and the load reported to LiveKit is the servers' (their mean).
-    """
-    if server_url is not None:
-        if engine is not None:
-            raise ValueError("pass either engine or server_url, not both")
-        return {
-            "job_executor_type": JobExecutorType.PROCESS,
-            "load_fnc": engine_load_fnc(remote_engine(server_url), max_jobs=max_jobs),
-            "load_threshold": load_threshold,
-        }
-    return {
-        "job_executor_type": JobExecutorType.THREAD,
-        "load_fnc": engine_load_fnc(engine, max_jobs=max_jobs),
-        "load_threshold": load_threshold,
-    }
-
-
-# ---------------------------------------------------------------------------------------------- weights
-class OrpheusPlugin(Plugin):
-    """The LiveKit plugin entry: `download-files` fetches the weights of every engine config this process uses."""
-
-    def __init__(self) -> None:
-        try:
-            version = importlib.metadata.version("orpheus-tts-plugin")
-        except importlib.metadata.PackageNotFoundError:
-            version = "0.0.0"
-        super().__init__(__name__, version, "orpheus_tts_plugin", logger)
-
-    def download_files(self) -> None:
-        with _used_lock:
-            configs = list(_used_configs)
-        download_files(*configs)
-
-
-# LiveKit only accepts registrations from the main thread; an import from a job thread skips it.
-if threading.current_thread() is threading.main_thread():
-    Plugin.register_plugin(OrpheusPlugin())

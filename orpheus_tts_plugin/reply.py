@@ -85,6 +85,39 @@ class ReplyText:
         return self._split(rest) if rest.strip() else []
 
 
+class ReplayText:
+    """A reply's text as it was pushed, each flush as None, replayed from the start to each reader (each attempt of
+    a framework that retries a stream from its start)."""
+
+    def __init__(self) -> None:
+        self._items: list[str | None] = []
+        self._ended = False
+        self._changed = asyncio.Event()
+
+    def add(self, item: str | None) -> None:
+        """Keep a token (empty ones are dropped, as LiveKit does) or a flush (None), unless the input has ended."""
+        if item != "" and not self._ended:
+            self._items.append(item)
+            self._changed.set()
+
+    def end(self) -> None:
+        """No more text will come."""
+        self._ended = True
+        self._changed.set()
+
+    async def replay(self) -> AsyncIterator[str | None]:
+        """Everything pushed, from the first token, waiting for more until the input ends."""
+        sent = 0
+        while True:
+            while sent < len(self._items):
+                sent += 1
+                yield self._items[sent - 1]
+            if self._ended:
+                return
+            self._changed.clear()
+            await self._changed.wait()
+
+
 class Playout:
     """When each sample of a reply plays, in seconds after its first chunk was given out.
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +27,6 @@ from .spec import SAMPLE_RATE, ModelSpec
 from .text import sentences
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 from .words import Pace, TimedWord, WordTimer
-
-logger = logging.getLogger(__name__)
 
 Splitter = Callable[[str], list[str]]  # text -> its sentences (the last may still be unfinished)
 
@@ -47,8 +44,10 @@ def language_voice(spec: ModelSpec, language: str | None, voice: str | None, cur
 class ReplyText:
     """One reply's streamed text cut into texts to speak: its first phrase (if `rule` cuts one), then sentences.
 
-    A sentence is given out once the next one has begun (`split` returned more than one piece), the last at
-    `finish()`. `split`: a framework's sentence splitter, or the engine's (text.py `sentences`).
+    A sentence is given out once the next one has begun (`split` returned more than one piece) or once its end
+    mark is followed by a space (at an LLM's pace the next token may be ~10 ms away: not worth waiting for; an
+    abbreviation such as "etc. " may then end a piece early), the last at `finish()`. `split`: a framework's
+    sentence splitter, or the engine's (text.py `sentences`).
     """
 
     def __init__(self, rule: FirstPhrase | None = None, split: Splitter = sentences):

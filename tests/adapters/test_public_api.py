@@ -127,3 +127,21 @@ def test_the_pipecat_settings_are_a_dataclass_of_tts_settings_with_every_samplin
     declared = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "OrpheusTTSSettings"]
     assert [ast.unparse(b) for b in declared[0].bases] == ["TTSSettings"]
     assert [ast.unparse(d) for d in declared[0].decorator_list] == ["dataclass"]
+
+
+def test_the_fenced_pipecat_behaviours_the_service_relies_on_are_still_upstream():
+    """Each Pipecat behaviour the service relies on without a public API (docs/frameworks.md), read from the installed
+    TTSService: this fails on the upstream change that would break its one fenced function."""
+    pytest.importorskip("orpheus_tts_plugin.pipecat")
+    from pipecat.services.tts_service import TTSService
+
+    from orpheus_tts_plugin.pipecat_health import _SILENT_CONTEXT
+
+    # pipecat_health.ServiceHealth.push_error: the per-context error of a silent context, by its text
+    outcome = inspect.getsource(TTSService._record_context_audio_outcome)
+    assert 'f"TTS context {context_id} completed with no audio"' in outcome
+    assert _SILENT_CONTEXT.fullmatch("TTS context 1a-2b completed with no audio")["context_id"] == "1a-2b"
+    # pipecat_health.ServiceHealth._restart_silence_count: set_usable(True) zeroes the count of silent contexts
+    assert "self._consecutive_zero_audio_contexts = 0" in inspect.getsource(TTSService.set_usable)
+    # pipecat.OrpheusTTSService._keep_context_open: create_context_id() refreshes the turn's audio context
+    assert "self._refresh_audio_context(self._turn_context_id)" in inspect.getsource(TTSService.create_context_id)

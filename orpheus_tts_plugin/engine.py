@@ -32,7 +32,8 @@ from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOve
 from .loading import load
 from .loop_thread import LoopThread, SharedInstances, post
 from .prompt import sentence_requests
-from .spec import ModelSpec, spec_for, with_voices
+from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME, ModelSpec, spec_for, with_voices
+from .speculation import Speculation, SpeculationTally
 from .stretch import stretched
 from .text import split_sentences
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
@@ -86,6 +87,7 @@ class OrpheusEngine:
         self._tokenizer: Any = None
         self._open: set[CallerStream] = set()
         self._counters: collections.Counter[str] = collections.Counter(dict.fromkeys(_STREAM_COUNTERS, 0))
+        self._speculations = SpeculationTally()  # any thread (its own lock)
         self._closed = False
         self._failure: str | None = None
         self._kick_pending = False  # engine loop only
@@ -287,6 +289,7 @@ class OrpheusEngine:
         options: SpeechOptions | None = None,
         adapter: str | None = None,
         token_log: list[int] | None = None,
+        speculative: bool = False,
         **overrides: float | int | None,
     ) -> Speech:
         """Speak `text`: a `Speech`, an async iterator of AudioChunk (the last with `final=True`) and its sentences.
@@ -303,14 +306,19 @@ class OrpheusEngine:
         sentence's audio whole before the next. Leaving the loop early, `aclose()`
         or cancelling the task aborts the generation within one engine step. `token_log`, if given, receives every
         generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
+        `speculative`: a reply spoken before the caller's turn is confirmed; `Speech.confirm()` once it will be
+        played, else it counts as discarded (`stats()`: `speculative_*`). It is generated like any other.
         """
         check_text_length(text, self.config.max_text_chars, "the engine's", remedy=TEXT_REMEDY)
+        if not isinstance(speculative, bool):
+            raise TypeError(f"speculative must be a bool, got {type(speculative).__name__}")
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         pieces = self.sentences(text)
-        chunks = self._synthesize(pieces, options, token_log)
+        speculation = self._speculations.open() if speculative else None
+        chunks = self._synthesize(pieces, options, token_log, speculation)
         if options.speed != 1.0:  # after decoding, on the caller's loop (a tenth of a ms a chunk: stretch.py)
             chunks = stretched(chunks, options.speed)
-        return Speech(pieces, chunks)
+        return Speech(pieces, chunks, speculation)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, one request each, in order (`AudioChunk.utterance` indexes them)."""
@@ -336,18 +344,20 @@ class OrpheusEngine:
         )
 
     async def _synthesize(
-        self, pieces: list[str], options: SpeechOptions, token_log: list[int] | None
+        self, pieces: list[str], options: SpeechOptions, token_log: list[int] | None, speculation: Speculation | None
     ) -> AsyncGenerator[AudioChunk, None]:
         if not pieces:
             return
         await self.start()
-        stream = CallerStream(asyncio.get_running_loop())
+        stream = CallerStream(asyncio.get_running_loop(), speculation)
         cloned = self._voices.get(options.voice)
         reference = () if cloned is None else self._voices.encode(cloned, self._tokenizer, self._encoder)
         requests = sentence_requests(
             stream.id, pieces, options, self._tokenizer, self.spec, self.config, reference=reference
         )
         self._admit(stream)
+        if speculation is not None:
+            speculation.started()
         self._loop.call_soon_threadsafe(self._begin, stream, requests, token_log)
         complete = False
         try:
@@ -364,6 +374,8 @@ class OrpheusEngine:
                 stream.closed = True
                 self._release(stream)  # the caller has left: its place is free now, its abort follows in a step
                 self._count("streams_failed" if stream.box.ended else "streams_cancelled")
+                if speculation is not None:  # ended before its end, unconfirmed: its audio will not be played
+                    speculation.discard()
                 with contextlib.suppress(RuntimeError):  # RuntimeError: the engine loop is already closed
                     self._loop.call_soon_threadsafe(self._cancel, stream)
 
@@ -386,6 +398,7 @@ class OrpheusEngine:
     ) -> None:
         if stream.closed or stream not in self._open:  # cancelled, or failed with the engine, before it began
             self._release(stream)
+            self._generation_over(stream)
             return
         stream.task = self._loop.create_task(self._generate(stream, requests, token_log))
 
@@ -413,6 +426,13 @@ class OrpheusEngine:
                 err.__cause__ = exc
             post(stream, err)
             self._release(stream)
+        finally:
+            self._generation_over(stream)
+
+    def _generation_over(self, stream: CallerStream) -> None:
+        """Engine loop: `stream` generates no more; a speculation learns the audio generated for it."""
+        if stream.speculation is not None:
+            stream.speculation.ended(stream.frames * SAMPLES_PER_FRAME / SAMPLE_RATE)
 
     async def _generate_utterance(
         self, utt: Utterance, req: GenerationRequest, limit_kind: str, token_log: list[int] | None
@@ -447,6 +467,7 @@ class OrpheusEngine:
                     await self._wait_for_reader(utt.stream, tokens)
         finally:
             await tokens.aclose()
+            utt.stream.frames += parser.frames_out
             self._count_utterance(parser, n_tokens, tokens.finish_reason, limit_kind)
         if token_log is not None:
             token_log.append(self.spec.end_of_speech)
@@ -509,7 +530,10 @@ class OrpheusEngine:
     def _release(self, stream: CallerStream) -> None:
         """Stop counting `stream` as active (once, whichever way it ended)."""
         with self._lock:
+            held = stream in self._open
             self._open.discard(stream)
+        if held and stream.speculation is not None:
+            stream.speculation.released()
 
     # ---------------------------------------------------------------- metrics
     def _count(self, key: str, n: int = 1) -> None:
@@ -527,10 +551,13 @@ class OrpheusEngine:
                 self._counters[f"invalid_{key}"] += n
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the whole engine: active_streams, tokens, frames, finish reasons, bad ids, decoder calls."""
+        """Counters of the whole engine: active_streams, tokens, frames, finish reasons, bad ids, decoder calls, and
+        speculative streams (`speculation.STAT_KEYS`: started, confirmed, discarded, and the discarded ones' audio
+        seconds generated and stream-seconds held)."""
         health = self.health()
         with self._lock:
             out: dict[str, Any] = {"active_streams": len(self._open), **self._counters}
+        out.update(self._speculations.stats())
         out["status"], out["failure"] = health["status"], health["reason"] if health["status"] == "failed" else None
         if self._worker is not None:
             out.update(self._worker.decoder.stats())

@@ -25,7 +25,8 @@ from ..config import MAX_TEXT_CHARS, EngineConfig, SamplingOverrides, SamplingPa
 from ..errors import EngineClosedError, EngineError, EngineOverloadedError
 from ..loop_thread import LoopThread, Outbox, SharedInstances
 from ..mailbox import Mailbox
-from ..spec import SPECS, ModelSpec, spec_for
+from ..spec import SAMPLE_RATE, SPECS, ModelSpec, spec_for
+from ..speculation import CONFIRMED, Speculation, SpeculationTally
 from ..text import split_sentences
 from ..types import AudioChunk, Speech, SpeechOptions
 from . import protocol
@@ -57,10 +58,11 @@ class RemoteConfig:
 class _CallerStream:
     """One synthesize() call: created on the caller's loop; `box` is read there only."""
 
-    __slots__ = ("_to_box", "box", "closed", "conn", "loop", "sid", "upstream")
+    __slots__ = ("_to_box", "box", "closed", "conn", "loop", "sid", "speculation", "upstream")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, speculation: Speculation | None):
         self.loop = loop
+        self.speculation = speculation  # a speculative stream's outcome (any thread: its own lock)
         self.box: Mailbox[AudioChunk] = Mailbox()
         self._to_box = to_mailbox(self.box)  # caller's loop only
         self.closed = False  # set by the caller when it leaves early; read on the connection's loop
@@ -126,6 +128,7 @@ class RemoteEngine:
         self._thread: LoopThread | None = None  # the connection's loop, from the first start() or prewarm()
         self._closed = False
         self._counters: collections.Counter[str] = collections.Counter()
+        self._speculations = SpeculationTally()  # this process's speculative streams (any thread: its own lock)
         # The rest belongs to the connection's loop (other threads only read the references).
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         posts = (ssl, key, connect_timeout_s) if keepalive_s is not None else (ssl, key, connect_timeout_s, None)
@@ -195,7 +198,8 @@ class RemoteEngine:
     def stats(self) -> dict[str, Any]:
         """This process's streams (active_streams, started, completed, cancelled, failed, rejected), connects,
         and each server's last status (`servers`, by URL; with one URL also `server`); `await server_stats()`
-        has a server's own counters."""
+        has a server's own counters. Its `speculative_*` count this process's speculative streams as
+        OrpheusEngine's do, with the audio received (not generated) and the time open as their cost."""
         with self._lock:
             counters = dict(self._counters)
         streams = collections.Counter(s.upstream.url for s in list(self._open) if s.upstream is not None)
@@ -218,6 +222,7 @@ class RemoteEngine:
             "load": self.load,
             "status": self.health()["status"],
             "servers": servers,
+            **self._speculations.stats(),
         }
         if len(self._upstreams) == 1:
             out["server"] = dict(self._upstreams[0].status)
@@ -272,6 +277,7 @@ class RemoteEngine:
         sampling: SamplingOverrides | None = None,
         options: SpeechOptions | None = None,
         adapter: str | None = None,
+        speculative: bool = False,
         **overrides: Any,
     ) -> Speech:
         """Speak `text` on a server: a `Speech` as OrpheusEngine.synthesize returns it (validated eagerly; text over
@@ -279,22 +285,33 @@ class RemoteEngine:
 
         The server fills in its own sampling defaults: only the overrides travel; `speed` is stretched by the server's
         engine. Leaving the loop early,
-        `aclose()` or cancelling the task sends `cancel` at once.
+        `aclose()` or cancelling the task sends `cancel` at once. `speculative`: as OrpheusEngine's; its
+        `Speech.confirm()` reaches the server, which counts it (not a server behind Ray Serve's proxy: its streams
+        are posted, and their replicas cannot hear of a confirm).
         """
         check_text_length(text, self._max_chars, "the server's", remedy=" (serve --max-chars)")
+        if not isinstance(speculative, bool):
+            raise TypeError(f"speculative must be a bool, got {type(speculative).__name__}")
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         sentences = self.sentences(text)
-        request = protocol.Start(text, options.voice, options.overrides, options.adapter, options.speed)
-        return Speech(sentences, self._synthesize(request))
+        request = protocol.Start(text, options.voice, options.overrides, options.adapter, options.speed, speculative)
+        speculation = self._speculations.open() if speculative else None
+        return Speech(sentences, self._synthesize(request, speculation), speculation)
 
-    async def _synthesize(self, request: protocol.Start) -> AsyncGenerator[AudioChunk, None]:
+    async def _synthesize(
+        self, request: protocol.Start, speculation: Speculation | None
+    ) -> AsyncGenerator[AudioChunk, None]:
         if self._closed:
             raise EngineClosedError("RemoteEngine is closed")
         await self.start()
-        stream = _CallerStream(asyncio.get_running_loop())
+        stream = _CallerStream(asyncio.get_running_loop(), speculation)
+        if speculation is not None:
+            speculation.listen(lambda settled: self._tell_server(stream, settled))
+            speculation.started()
         self._thread.call(self._begin, stream, request)
         self._count("streams_started")
         outcome = "streams_cancelled"
+        received = 0
         try:
             while True:
                 try:
@@ -304,6 +321,7 @@ class RemoteEngine:
                     return
                 if chunk.final:
                     outcome = "streams_completed"
+                received += chunk.num_samples
                 yield chunk
                 if chunk.final:
                     return
@@ -315,6 +333,11 @@ class RemoteEngine:
             raise
         finally:
             self._count(outcome)
+            if speculation is not None:
+                if outcome != "streams_completed":
+                    speculation.discard()
+                speculation.released()
+                speculation.ended(received / SAMPLE_RATE)
             if outcome == "streams_cancelled":
                 stream.closed = True
                 with contextlib.suppress(RuntimeError):  # the connection's loop is gone: nothing to cancel
@@ -444,7 +467,26 @@ class RemoteEngine:
             return
         self._open.add(stream)
         stream.upstream = upstream
+        if request.speculative and not upstream.conn.hello.speculation:  # a server that would refuse a confirm
+            request = replace(request, speculative=False)
         stream.conn, stream.sid = upstream.start(request, lambda item: self._arrive(stream, item))
+        if stream.speculation is not None and stream.speculation.outcome == CONFIRMED:  # confirmed before it began
+            stream.conn.confirm(stream.sid)
+
+    def _tell_server(self, stream: _CallerStream, outcome: str) -> None:
+        """Any thread: `stream`'s speculation settled; its server hears of it on the connection's loop."""
+        with contextlib.suppress(RuntimeError):  # the connection's loop is gone, and the server's streams with it
+            self._thread.call(self._settle, stream, outcome)
+
+    def _settle(self, stream: _CallerStream, outcome: str) -> None:
+        """Send `confirm`, or the `cancel` that discards a stream that is over (once; not before it began: `_begin`
+        sends a confirm that came first)."""
+        if stream.conn is None or stream.sid is None:
+            return
+        if outcome == CONFIRMED:
+            stream.conn.confirm(stream.sid)
+        else:
+            stream.conn.cancel(stream.sid)
 
     def _arrive(self, stream: _CallerStream, item: Item) -> None:
         if not isinstance(item, AudioChunk) or item.final:

@@ -7,12 +7,13 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from ..engine import OrpheusEngine
 from ..errors import EngineError, EngineOverloadedError
 from ..spec import SAMPLE_RATE
+from ..speculation import Speculation
 from ..types import AudioChunk
 from . import protocol
 from .metrics import Metrics
@@ -57,6 +58,7 @@ class Service:
             max_chars=self.policy.max_chars,
             adapters=cfg.adapter_names,
             replica=self.replica,
+            speculation=True,
             # Behind a proxy that routes a WebSocket once, its clients POST each stream: balanced one by one.
             streams_path=protocol.STREAMS_PATH if self.replica is not None else None,
         )
@@ -115,10 +117,17 @@ class Service:
 
     # ---------------------------------------------------------------- speaking
     async def speak(
-        self, request: protocol.Start, transport: str, received: float, key: str | None = None
+        self,
+        request: protocol.Start,
+        transport: str,
+        received: float,
+        key: str | None = None,
+        hold: Callable[[Speculation], None] | None = None,
     ) -> AsyncGenerator[AudioChunk, None]:
         """The engine's chunks for `request`, counted; `received` is when the request arrived (perf_counter),
-        `key` the API key it came with (its streams are counted against `Policy.streams_per_key`)."""
+        `key` the API key it came with (its streams are counted against `Policy.streams_per_key`). A speculative
+        request is spoken as one only where its client can confirm it (`hold` given): `hold` then takes its
+        speculation, to settle when the client says (its stream ending early still discards it)."""
         m = self.metrics
         m.requests.labels(transport).inc()
         held = False
@@ -139,7 +148,10 @@ class Service:
                 sampling=request.sampling,
                 adapter=request.adapter,
                 speed=request.speed,
+                speculative=request.speculative and hold is not None,
             )
+            if chunks.speculative:
+                hold(chunks.take_speculation())
             first = True
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

@@ -311,7 +311,8 @@ class PocketsphinxSTTService(STTService):
                 await self.stop_processing_metrics()
                 self._transcribed += 1
             if text:
-                frame = TranscriptionFrame(text, self._user_id, time_now_iso8601(), Language.EN_US)
+                # One caller a call: no user id (STTService keeps its own private).
+                frame = TranscriptionFrame(text, "", time_now_iso8601(), Language.EN_US)
                 frame.finalized = self._utterance is None and self._transcribed == self._segments
                 await self.push_frame(frame)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
 import subprocess
 import sys
 import time
@@ -513,3 +514,55 @@ async def test_a_node_removed_mid_stream_ends_its_streams_retryably_and_new_stre
         )
     finally:
         await remote.aclose()
+
+
+DRAIN_S = 40  # the drain's deadline, and the replicas' graceful shutdown: well above a DRAINED_TOKENS stream
+
+
+async def test_the_kuberay_prestop_drains_a_node_its_open_streams_end_whole_and_new_ones_go_elsewhere(
+    nodes: Nodes, test_model_dir: Path
+) -> None:
+    """docker/ray-drain.sh, KubeRay's preStop (deploy/kuberay/rayservice.yaml), on a worker node added for it: Serve
+    stops the node's replica gracefully (its open stream ends whole), routes new streams to the other replica, and
+    the drained node's raylet exits (what the script waits for in a pod). After the node-removal test: it adds the
+    worker it drains."""
+    clear()
+    if any(n["NodeID"] == nodes.worker.node_id and n["Alive"] for n in ray.nodes()):
+        nodes.cluster.remove_node(nodes.worker)  # run alone: one replica a node, on the head and the drained node
+    drained = nodes.cluster.add_node(num_cpus=1)
+    nodes.cluster.wait_for_nodes()
+    deploy(test_model_dir, "paced", drain_timeout=DRAIN_S)
+    url = f"ws://127.0.0.1:{nodes.port}"
+    remote = RemoteEngine(url)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # this venv's `ray`
+        "RAY_ADDRESS": nodes.cluster.address,
+        "ORPHEUS_DRAIN_NODE_ID": drained.node_id,  # in a pod: the pod's own node
+    }
+    script: subprocess.Popen[bytes] | None = None
+    try:
+        await remote.start()
+        open_ = [remote.synthesize(LONG, seed=i, max_tokens=DRAINED_TOKENS) for i in range(2)]
+        for s in open_:
+            await first(s)
+        assert len(remote.stats()["servers"][url]["replicas"]) == 2  # one stream on each node's replica
+        endings = [asyncio.create_task(ended(s)) for s in open_]
+        script = subprocess.Popen(["bash", str(REPO / "docker/ray-drain.sh"), str(DRAIN_S)], env=env)
+        await until(lambda: replica_states("orpheus").get("RUNNING", 0) == 1, 30)  # the drained one stops
+        assert not any(t.done() for t in endings), "the drain came after the streams it should let finish"
+        assert [error for error, _ in await asyncio.gather(*endings)] == [None, None]  # both ended whole
+
+        before = dict(remote.stats()["servers"][url]["replicas"])
+        new = await asyncio.gather(*(heard(remote.synthesize(TEXT, seed=10 + i)) for i in range(2)))
+        assert all(chunks[-1].final for chunks in new)
+        grew = {r for r, n in remote.stats()["servers"][url]["replicas"].items() if n > before.get(r, 0)}
+        assert len(grew) == 1  # the replica on the node that stays took both
+        alive = lambda: any(n["NodeID"] == drained.node_id and n["Alive"] for n in ray.nodes())  # noqa: E731
+        await until(lambda: not alive(), 60)  # drained and idle: its raylet exits
+    finally:
+        if script is not None and script.poll() is None:
+            script.terminate()  # it waits for a raylet that is this host's only one in a pod
+            script.wait(10)
+        await remote.aclose()
+        clear()

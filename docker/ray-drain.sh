@@ -10,12 +10,15 @@
 # them gracefully: each has its graceful_shutdown_timeout_s (the app's drain_timeout) to finish its open streams.
 # Once the node is idle its raylet exits, and then this script; after SECONDS at the latest. A refused drain (the
 # head node, whose loss ends the cluster anyway) or an unreachable GCS returns at once: the pod stops as before.
-# ORPHEUS_DRAIN_NODE_ID names another node than this pod's (tests run several nodes on one host).
+# The node is the one a driver started here joins (the pod's only one; RAY_ADDRESS, which KubeRay sets, names the
+# cluster); ORPHEUS_DRAIN_NODE_ID names another (tests run several nodes on one host).
 set -u
 seconds=${1:?usage: orpheus-ray-drain SECONDS}
-node=(); [ -n "${ORPHEUS_DRAIN_NODE_ID:-}" ] && node=(--node-id "${ORPHEUS_DRAIN_NODE_ID}")
-if ! ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --reason-message "pod stopping: orpheus-ray-drain" \
-        --deadline-remaining-seconds "${seconds}" "${node[@]}"; then
+node=${ORPHEUS_DRAIN_NODE_ID:-$(python3 -c 'import ray
+ray.init(logging_level="error", log_to_driver=False)
+print(ray.get_runtime_context().get_node_id())' 2>/dev/null | tail -n 1)}
+if [ -z "${node}" ] || ! ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --node-id "${node}" \
+        --reason-message "pod stopping: orpheus-ray-drain" --deadline-remaining-seconds "${seconds}"; then
     echo "orpheus-ray-drain: the drain was refused; stopping without it" >&2
     exit 0
 fi

@@ -1,5 +1,6 @@
-"""docker/ without Docker: the Dockerfile's extras, copies and import check hold, and its entrypoint (docker/run.sh)
-starts the phone agent on the hf backend with the test model and answers a simulated Twilio call.
+"""docker/ without Docker: the Dockerfiles' extras, copies and import checks hold (the agent's, and the Ray replicas'
+for KubeRay: Dockerfile.ray), and the agent's entrypoint (docker/run.sh) starts the phone agent on the hf backend
+with the test model and answers a simulated Twilio call.
 
 No Docker engine runs on the machines this project is built on, and the TensorRT-LLM base image cannot be pulled
 there: `docker build`, the FP8 quantise-then-serve path and the trtllm backend in the container are not run here.
@@ -24,6 +25,7 @@ from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = (REPO / "docker" / "Dockerfile").read_text()
+RAY_DOCKERFILE = (REPO / "docker" / "Dockerfile.ray").read_text()
 RUN_SH = REPO / "docker" / "run.sh"
 PACKAGE = "orpheus-tts-plugin"
 # What the TensorRT-LLM release image ships and the Dockerfile pins (its keep-constraints list), not pip's to bring,
@@ -40,21 +42,35 @@ AGENT_MODULES = [
     "orpheus_tts_plugin.backends.hf",
     "orpheus_tts_plugin.server.client",
 ]
+# A Ray replica's process (deploy/kuberay/rayservice.yaml): the app, its router, the manifest's backend. Ray's image
+# ships Ray, and Ray brings psutil and colorama in its own wheel (ray/thirdparty_files, on sys.path once ray is
+# imported); the rest comes with the `ray` extra.
+RAY_MODULES = [
+    "orpheus_tts_plugin.server.ray",
+    "orpheus_tts_plugin.server.ray_router",
+    "orpheus_tts_plugin.backends.hf",
+]
+RAY_IMAGE_SHIPS = {"ray", "psutil", "colorama"}
 
 
 def _joined(text: str) -> str:
     return text.replace("\\\n", " ")
 
 
-def dockerfile_extras() -> list[str]:
-    """The extras of `pip install ".[a,b]"` in the Dockerfile."""
-    (extras,) = re.findall(r'pip install [^\n]*"\.\[([^\]]+)\]"', _joined(DOCKERFILE))
+def dockerfile_extras(dockerfile: str = DOCKERFILE) -> list[str]:
+    """The extras of `pip install ".[a,b]"` in a Dockerfile."""
+    (extras,) = re.findall(r'pip install [^\n]*"\.\[([^\]]+)\]"', _joined(dockerfile))
     return extras.split(",")
 
 
-def dockerfile_imports() -> list[str]:
-    """The modules of the Dockerfile's build-time `python3 -c "import ..."` checks."""
-    return [m.strip() for check in re.findall(r'python3 -c "import ([^"]+)"', DOCKERFILE) for m in check.split(",")]
+def dockerfile_imports(dockerfile: str = DOCKERFILE) -> list[str]:
+    """The modules of a Dockerfile's build-time `python3 -c "import ..."` checks."""
+    return [m.strip() for check in re.findall(r'python3 -c "import ([^"]+)"', dockerfile) for m in check.split(",")]
+
+
+def copied_sources(dockerfile: str) -> list[str]:
+    """The repository paths a Dockerfile COPYs."""
+    return [p for source in re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", dockerfile, flags=re.M) for p in source.split()]
 
 
 def _name(dist: str) -> str:
@@ -87,33 +103,52 @@ def test_the_dockerfile_installs_extras_that_exist_and_copies_files_that_exist()
     extras = dockerfile_extras()
     assert "phone-agent" in extras  # the entrypoint's program: Pipecat, uvicorn, pocketsphinx
     assert set(extras) <= set(declared), set(extras) - set(declared)
-    for source in re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", DOCKERFILE, flags=re.M):
-        for path in source.split():
-            assert (REPO / path).exists(), f"COPY {path}: no such file"
+    for path in copied_sources(DOCKERFILE):
+        assert (REPO / path).exists(), f"COPY {path}: no such file"
     assert re.search(r"^COPY docker/run\.sh /usr/local/bin/orpheus-agent$", DOCKERFILE, flags=re.M)
     assert re.search(r'^ENTRYPOINT \["orpheus-agent"\]$', DOCKERFILE, flags=re.M)
     assert subprocess.run(["bash", "-n", str(RUN_SH)]).returncode == 0
 
 
-def test_every_module_the_container_imports_is_brought_by_its_extras_or_its_base_image() -> None:
+def test_the_ray_image_installs_the_ray_extra_at_its_own_ray_and_copies_files_that_exist() -> None:
+    declared = set(metadata.metadata(PACKAGE).get_all("Provides-Extra"))
+    assert dockerfile_extras(RAY_DOCKERFILE) == ["ray"] and "ray" in declared
+    assert re.search(r'pip install "ray\[serve\]==\$\{RAY_VERSION\}" "\.\[ray\]"', RAY_DOCKERFILE)
+    assert re.search(r"^FROM rayproject/ray:\$\{RAY_VERSION\}-", RAY_DOCKERFILE, flags=re.M)
+    for path in copied_sources(RAY_DOCKERFILE):
+        assert (REPO / path).exists(), f"COPY {path}: no such file"
+    assert subprocess.run(["bash", "-n", str(REPO / "docker" / "ray-drain.sh")]).returncode == 0
+
+
+@pytest.mark.parametrize("image", ["agent", "ray"])
+def test_every_module_the_container_imports_is_brought_by_its_extras_or_its_base_image(image: str) -> None:
     """The Dockerfile's import check passes here (TensorRT-LLM itself excepted, as at build time: no GPU), and every
-    third-party distribution the agent's process loads comes from the Dockerfile's extras or the base image."""
-    modules = [*dockerfile_imports(), *AGENT_MODULES]
-    assert "orpheus_tts_plugin.tools.quantize" in modules
-    brought = closure(dockerfile_extras()) | IMAGE_SHIPS
+    third-party distribution its process loads (the agent's, or a Ray replica's) comes from the Dockerfile's extras
+    or the base image."""
+    if image == "agent":
+        modules = [*dockerfile_imports(), *AGENT_MODULES]
+        assert "orpheus_tts_plugin.tools.quantize" in modules
+        brought = closure(dockerfile_extras()) | IMAGE_SHIPS
+    else:
+        modules = [*dockerfile_imports(RAY_DOCKERFILE), *RAY_MODULES]
+        brought = closure(dockerfile_extras(RAY_DOCKERFILE)) | RAY_IMAGE_SHIPS
     # What this venv has beyond the image (the dev extra's: Ray, the OpenAI clients, ...) is hidden from the probe as
     # the image lacks it: an optional import of it is skipped there as here, and a hard one fails the probe.
     here = {_name(dist.metadata["Name"]): tops(dist) for dist in installed()}
     kept = set().union(*(names for dist, names in here.items() if dist in brought))  # a namespace stays if shared
     absent = sorted(set().union(*(names for dist, names in here.items() if dist not in brought)) - kept)
     probe = (
-        "import importlib, importlib.abc, json, sys\n"
+        "import importlib, importlib.abc, importlib.util, json, sys\n"
         f"ABSENT = set({absent!r})\n"
         "class Absent(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] in ABSENT:\n"
         "            raise ModuleNotFoundError(f'No module named {name!r} (not in the image)', name=name)\n"
         "sys.meta_path.insert(0, Absent())\n"
+        # An availability check (transformers asks find_spec for accelerate) sees an absent module as missing.
+        "found = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, package=None: (\n"
+        "    None if name.split('.')[0] in ABSENT else found(name, package))\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
         "print(json.dumps(sorted({getattr(m, '__file__', None) or '' for m in list(sys.modules.values())})))"
     )

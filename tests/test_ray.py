@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ from tests.servers import until
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
 serve = pytest.importorskip("ray.serve")
 
-from orpheus_tts_plugin.server.ray import OrpheusReplica, parse  # noqa: E402 - after the extra's check
+from orpheus_tts_plugin.server.ray import OrpheusReplica  # noqa: E402 - after the extra's check
 
 REPO = Path(__file__).resolve().parents[1]
 STREAMS = 8
@@ -192,17 +193,21 @@ def test_the_package_and_serve_work_without_ray_and_the_ray_app_names_its_extra(
 def test_the_serve_config_file_builds_the_application(test_model_dir: Path) -> None:
     import yaml
 
-    from orpheus_tts_plugin.server.ray import app
+    from orpheus_tts_plugin.server.ray import app, deployment
 
     config = yaml.safe_load((REPO / "deploy/ray/serve.yaml").read_text())
     (application,) = config["applications"]
     assert application["import_path"] == "orpheus_tts_plugin.server.ray:app"
-    built = app({**application["args"], "snac": str(test_model_dir / "snac")})
-    deployment = built._bound_deployment
-    assert deployment.ray_actor_options["num_gpus"] == 1
-    scaling = deployment._deployment_config.autoscaling_config
+    args = {**application["args"], "snac": str(test_model_dir / "snac")}
+    assert isinstance(app(args), serve.Application)
+    built, _ = deployment(args)
+    assert built.ray_actor_options["num_gpus"] == 1
+    # Private: Ray's Deployment has no public property for its autoscaling or shutdown options (its public ones are
+    # name, version, func_or_class, num_replicas, user_config, max_ongoing_requests, max_queued_requests,
+    # ray_actor_options, init_args, init_kwargs, logging_config in 2.56 to 2.60).
+    scaling = built._deployment_config.autoscaling_config
     assert scaling.min_replicas == application["args"]["min_replicas"]
-    assert deployment._deployment_config.graceful_shutdown_timeout_s >= 300
+    assert built._deployment_config.graceful_shutdown_timeout_s >= 300
 
 
 def test_a_wrong_key_is_one_line_naming_it() -> None:
@@ -210,6 +215,31 @@ def test_a_wrong_key_is_one_line_naming_it() -> None:
 
     with pytest.raises(ValueError, match="unknown argument 'max_strems'"):
         app({"max_strems": 4})
+
+
+def test_the_installed_ray_defers_the_app_to_the_replica_and_calls_every_router_method_we_define() -> None:
+    """The APIs the replicas call, as the `ray` extra's floor has them (CI runs this there, scripts/setup_matrix.sh):
+    `serve.ingress(None)` with `__serve_build_asgi_app__` (2.56: before it, ingress(None) took None for the app) and
+    each method FewestStreamsRouter defines, with its parameters, on RequestRouter (`on_request_completed`: 2.55).
+    The floor is higher, 2.60, for behaviour the module's cluster tests show (docs/serving.md, Ray versions)."""
+    import inspect
+
+    from ray.serve.request_router import RequestRouter
+
+    from orpheus_tts_plugin.server.ray_router import FewestStreamsRouter
+
+    class NoBuilder:
+        pass
+
+    with pytest.raises(ValueError, match="__serve_build_asgi_app__"):
+        serve.ingress(None)(NoBuilder)  # a deferred app needs the builder: this Ray knows the hook
+    assert callable(OrpheusReplica.__serve_build_asgi_app__)
+    ours = {name: f for name, f in vars(FewestStreamsRouter).items() if inspect.isfunction(f) and name[0] != "_"}
+    assert {"choose_replicas", "on_request_routed", "on_request_completed"} <= set(ours)
+    for name, method in ours.items():
+        theirs = getattr(RequestRouter, name, None)
+        assert theirs is not None, f"RequestRouter.{name}: not in this Ray"
+        assert list(inspect.signature(theirs).parameters) == list(inspect.signature(method).parameters), name
 
 
 def test_the_router_spreads_a_burst_counts_each_stream_until_it_ends_and_forgets_one_cancelled_unsent() -> None:
@@ -239,12 +269,12 @@ def test_the_router_spreads_a_burst_counts_each_stream_until_it_ends_and_forgets
         for p, replica in zip(burst[:4], chosen[:4]):
             router.on_request_completed(replica, p.metadata.internal_request_id)
         loop.run_until_complete(choose(burst[4]))  # chosen again (a retry): counted once
-        assert sum(router._open.values()) == 4
+        assert sum(router.stream_counts.open.values()) == 4
         lonely = pending("cancelled")
         loop.run_until_complete(choose(lonely))
         lonely.future.cancel()  # cancelled while routed: never sent, never completed
         loop.run_until_complete(choose(pending("next")))
-        assert sum(router._open.values()) == 5 and "cancelled" not in router._chosen
+        assert sum(router.stream_counts.open.values()) == 5 and "cancelled" not in router.stream_counts.chosen
     finally:
         loop.close()
 
@@ -388,8 +418,11 @@ async def test_a_replica_whose_engine_failed_reports_unhealthy_and_ray_replaces_
 ) -> None:
     clear()
     args = args_of(test_model_dir, "paced", min_replicas=1, max_replicas=1)
-    faulty = app_of(args)._bound_deployment.options(func_or_class=serve.ingress(None)(PoisonableReplica))
-    serve.run(faulty.bind(parse(args)[0]), name="faulty", route_prefix="/faulty")
+    from orpheus_tts_plugin.server.ray import deployment
+
+    production, parsed = deployment(args)
+    faulty = production.options(func_or_class=serve.ingress(None)(PoisonableReplica))
+    serve.run(faulty.bind(parsed), name="faulty", route_prefix="/faulty")
     url = f"ws://127.0.0.1:{cluster}/faulty{protocol.WS_PATH}"
     remote = RemoteEngine(url)
     try:
@@ -481,3 +514,57 @@ async def test_a_node_removed_mid_stream_ends_its_streams_retryably_and_new_stre
         )
     finally:
         await remote.aclose()
+
+
+DRAIN_S = 40  # the drain's deadline, and the replicas' graceful shutdown: well above a DRAINED_TOKENS stream
+
+
+async def test_the_kuberay_prestop_drains_a_node_its_open_streams_end_whole_and_new_ones_go_elsewhere(
+    nodes: Nodes, test_model_dir: Path
+) -> None:
+    """docker/ray-drain.sh, KubeRay's preStop (deploy/kuberay/rayservice.yaml), on a worker node added for it: Serve
+    stops the node's replica gracefully (its open stream ends whole), routes new streams to the other replica, and
+    the drained node's raylet exits (what the script waits for in a pod). After the node-removal test: it adds the
+    worker it drains."""
+    clear()
+    if any(n["NodeID"] == nodes.worker.node_id and n["Alive"] for n in ray.nodes()):
+        nodes.cluster.remove_node(nodes.worker)  # run alone: one replica a node, on the head and the drained node
+    drained = nodes.cluster.add_node(num_cpus=1)
+    nodes.cluster.wait_for_nodes()
+    deploy(test_model_dir, "paced", drain_timeout=DRAIN_S)
+    url = f"ws://127.0.0.1:{nodes.port}"
+    remote = RemoteEngine(url)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # this venv's `ray`
+        "RAY_ADDRESS": nodes.cluster.address,
+        "ORPHEUS_DRAIN_NODE_ID": drained.node_id,  # in a pod: the pod's own node
+    }
+    script: subprocess.Popen[bytes] | None = None
+    try:
+        await remote.start()
+        open_ = [remote.synthesize(LONG, seed=i, max_tokens=DRAINED_TOKENS * 2 // 3) for i in range(2)]  # ~10 s
+        for s in open_:
+            await first(s)
+        assert len(remote.stats()["servers"][url]["replicas"]) == 2  # one stream on each node's replica
+        endings = [asyncio.create_task(ended(s)) for s in open_]
+        script = subprocess.Popen(["bash", str(REPO / "docker/ray-drain.sh"), str(DRAIN_S)], env=env)
+        await until(lambda: replica_states("orpheus").get("RUNNING", 0) == 1, 30)  # the drained one stops
+        assert not any(t.done() for t in endings), "the drain came after the streams it should let finish"
+        assert [error for error, _ in await asyncio.gather(*endings)] == [None, None]  # both ended whole
+
+        before = dict(remote.stats()["servers"][url]["replicas"])
+        new = [remote.synthesize(TEXT, seed=10 + i) for i in range(2)]
+        await asyncio.gather(*(first(s) for s in new))  # no error
+        for s in new:
+            await s.aclose()
+        grew = {r for r, n in remote.stats()["servers"][url]["replicas"].items() if n > before.get(r, 0)}
+        assert len(grew) == 1  # the replica on the node that stays took both
+        alive = lambda: any(n["NodeID"] == drained.node_id and n["Alive"] for n in ray.nodes())  # noqa: E731
+        await until(lambda: not alive(), 60)  # drained and idle: its raylet exits
+    finally:
+        if script is not None and script.poll() is None:
+            script.terminate()  # it waits for a raylet that is this host's only one in a pod
+            script.wait(10)
+        await remote.aclose()
+        clear()

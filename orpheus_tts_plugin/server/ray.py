@@ -26,7 +26,7 @@ from ..errors import missing_extra
 
 try:
     from ray import serve
-    from ray.serve import Application
+    from ray.serve import Application, Deployment
     from ray.serve.config import RequestRouterConfig
 except ImportError as exc:
     raise missing_extra("ray", "orpheus-tts on Ray Serve", exc) from None
@@ -78,7 +78,7 @@ def parse(args: dict[str, Any]) -> tuple[argparse.Namespace, dict[str, float]]:
         "cpus": None,
     }
     ray_options: dict[str, Any] = dict(ray_keys)
-    known = {action.dest for action in parser._actions} - set(SERVE_ONLY)
+    known = set(vars(parser.parse_args([]))) - set(SERVE_ONLY)  # every flag's name (none is required)
     argv: list[str] = []
     for key, value in args.items():
         name = key.replace("-", "_")
@@ -113,12 +113,19 @@ def report_interval(window_s: float) -> dict[str, float]:
 def app(args: dict[str, Any]) -> Application:
     """The application builder (`serve run orpheus_tts_plugin.server.ray:app KEY=VALUE ...`, or a Serve config's
     `import_path` and `args`)."""
+    built, parsed = deployment(args)
+    return built.bind(parsed)
+
+
+def deployment(args: dict[str, Any]) -> tuple[Deployment, argparse.Namespace]:
+    """(the replicas' deployment, the `serve` flags it is bound to) of `app`'s arguments: a test binds a replica
+    class of its own to the same options (`Deployment.options(func_or_class=...)`)."""
     parsed, o = parse(args)
     config = serve_cli.engine_config(parsed)
     target = o["target_streams"] or max(1, math.ceil(TARGET_SHARE * config.max_streams))
     gpus = o["gpus"] if o["gpus"] is not None else (0.0 if config.device == "cpu" else 1.0)
     actor = {"num_gpus": gpus} if gpus else {"num_cpus": o["cpus"] or 1.0}
-    deployment = serve.deployment(
+    built = serve.deployment(
         serve.ingress(None)(OrpheusReplica),
         name="orpheus",
         ray_actor_options=actor,
@@ -139,4 +146,4 @@ def app(args: dict[str, Any]) -> Application:
         graceful_shutdown_timeout_s=o["drain_timeout"],
         health_check_period_s=o["health_period"],
     )
-    return deployment.bind(parsed)
+    return built, parsed

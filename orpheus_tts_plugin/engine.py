@@ -35,7 +35,7 @@ from .prompt import sentence_requests
 from .spec import ModelSpec, spec_for, with_voices
 from .stretch import stretched
 from .text import split_sentences
-from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
+from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions, Usage
 from .voices import Voices
 
 if TYPE_CHECKING:
@@ -285,6 +285,7 @@ class OrpheusEngine:
         options: SpeechOptions | None = None,
         adapter: str | None = None,
         token_log: list[int] | None = None,
+        usage: Usage | None = None,
         **overrides: float | int | None,
     ) -> Speech:
         """Speak `text`: a `Speech`, an async iterator of AudioChunk (the last with `final=True`) and its sentences.
@@ -299,14 +300,16 @@ class OrpheusEngine:
         eagerly (TypeError/ValueError naming the field). Empty text yields nothing. Long text is split at sentence
         bounds and spoken in order, each sentence's audio whole before the next. Leaving the loop early, `aclose()`
         or cancelling the task aborts the generation within one engine step. `token_log`, if given, receives every
-        generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
+        generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays. The Speech's
+        `usage` counts its prompt and generated ids (into `usage`, if given: what a server's route reads after).
         """
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         pieces = self.sentences(text)
-        chunks = self._synthesize(pieces, options, token_log)
+        usage = Usage() if usage is None else usage
+        chunks = self._synthesize(pieces, options, token_log, usage)
         if options.speed != 1.0:  # after decoding, on the caller's loop (a tenth of a ms a chunk: stretch.py)
             chunks = stretched(chunks, options.speed)
-        return Speech(pieces, chunks)
+        return Speech(pieces, chunks, usage)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, one request each, in order (`AudioChunk.utterance` indexes them)."""
@@ -332,17 +335,18 @@ class OrpheusEngine:
         )
 
     async def _synthesize(
-        self, pieces: list[str], options: SpeechOptions, token_log: list[int] | None
+        self, pieces: list[str], options: SpeechOptions, token_log: list[int] | None, usage: Usage
     ) -> AsyncGenerator[AudioChunk, None]:
         if not pieces:
             return
         await self.start()
-        stream = CallerStream(asyncio.get_running_loop())
+        stream = CallerStream(asyncio.get_running_loop(), usage)
         cloned = self._voices.get(options.voice)
         reference = () if cloned is None else self._voices.encode(cloned, self._tokenizer, self._encoder)
         requests = sentence_requests(
             stream.id, pieces, options, self._tokenizer, self.spec, self.config, reference=reference
         )
+        usage.input_tokens = sum(len(req.prompt_ids) for req, _ in requests)
         self._admit(stream)
         self._loop.call_soon_threadsafe(self._begin, stream, requests, token_log)
         complete = False
@@ -443,6 +447,7 @@ class OrpheusEngine:
                     await self._wait_for_reader(utt.stream, tokens)
         finally:
             await tokens.aclose()
+            utt.stream.usage.output_tokens += n_tokens + (tokens.finish_reason == FinishReason.STOP)  # its end id
             self._count_utterance(parser, n_tokens, tokens.finish_reason, limit_kind)
         if token_log is not None:
             token_log.append(self.spec.end_of_speech)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from ..engine import OrpheusEngine
 from ..errors import EngineError, EngineOverloadedError
 from ..spec import SAMPLE_RATE
-from ..types import AudioChunk
+from ..types import AudioChunk, Usage
 from . import protocol
 from .metrics import Metrics
 from .policy import LimitError, Policy, StreamLimitError
@@ -114,10 +114,16 @@ class Service:
 
     # ---------------------------------------------------------------- speaking
     async def speak(
-        self, request: protocol.Start, transport: str, received: float, key: str | None = None
+        self,
+        request: protocol.Start,
+        transport: str,
+        received: float,
+        key: str | None = None,
+        usage: Usage | None = None,
     ) -> AsyncGenerator[AudioChunk, None]:
         """The engine's chunks for `request`, counted; `received` is when the request arrived (perf_counter),
-        `key` the API key it came with (its streams are counted against `Policy.streams_per_key`)."""
+        `key` the API key it came with (its streams are counted against `Policy.streams_per_key`), `usage` what the
+        engine counts the stream's tokens into (`Speech.usage`)."""
         m = self.metrics
         m.requests.labels(transport).inc()
         held = False
@@ -138,6 +144,7 @@ class Service:
                 sampling=request.sampling,
                 adapter=request.adapter,
                 speed=request.speed,
+                usage=usage,
             )
             first = True
             async with contextlib.aclosing(chunks):

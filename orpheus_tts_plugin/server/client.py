@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 SETTLE_POLL_S = 0.01  # start(): how often it looks whether the servers not yet connected have failed once
 SETTLE_S = 0.5  # start(): how long, after the first server answered, the others have to answer too
+FAILOVER_POLL_S = 0.05  # a stream whose server was lost looks this often for another, until its deadline
 
 
 @dataclass(frozen=True)
@@ -57,16 +58,21 @@ class RemoteConfig:
 class _CallerStream:
     """One synthesize() call: created on the caller's loop; `box` is read there only."""
 
-    __slots__ = ("_to_box", "box", "closed", "conn", "loop", "sid", "upstream")
+    __slots__ = ("_to_box", "box", "closed", "conn", "deadline", "heard", "loop", "request", "sid", "tried", "upstream")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: protocol.Start):
         self.loop = loop
+        self.request = request
         self.box: Mailbox[AudioChunk] = Mailbox()
         self._to_box = to_mailbox(self.box)  # caller's loop only
         self.closed = False  # set by the caller when it leaves early; read on the connection's loop
-        self.upstream: Upstream | None = None  # the server it went to; connection's loop only
-        self.conn: Connection | PostedConnection | None = None  # connection's loop only
-        self.sid: int | None = None  # connection's loop only
+        # The rest belongs to the connection's loop.
+        self.upstream: Upstream | None = None  # the server it went to
+        self.conn: Connection | PostedConnection | None = None
+        self.sid: int | None = None  # None while it waits for a server to go to
+        self.heard = False  # some audio of it has come: it can go nowhere else now
+        self.tried: list[Connection | PostedConnection] = []  # connections lost under it before its first audio
+        self.deadline = 0.0  # the connection loop's time after which it goes to no other server
 
     def put(self, item: Item) -> None:
         """Runs on the caller's loop: hand `item` on, unless the caller already left."""
@@ -288,8 +294,8 @@ class RemoteEngine:
         if self._closed:
             raise EngineClosedError("RemoteEngine is closed")
         await self.start()
-        stream = _CallerStream(asyncio.get_running_loop())
-        self._thread.call(self._begin, stream, request)
+        stream = _CallerStream(asyncio.get_running_loop(), request)
+        self._thread.call(self._begin, stream)
         self._count("streams_started")
         outcome = "streams_cancelled"
         try:
@@ -430,23 +436,57 @@ class RemoteEngine:
         finally:
             self._waiters.discard(waiter)
 
-    def _begin(self, stream: _CallerStream, request: protocol.Start) -> None:
+    def _begin(self, stream: _CallerStream) -> None:
+        stream.deadline = self._thread.loop.time() + self._connect_timeout_s
+        self._route(stream, None)
+
+    def _route(self, stream: _CallerStream, lost: EngineError | None) -> None:
+        """Send `stream` to the least loaded server it has not been lost on; `lost`: why its last server was lost
+        before its first audio (None: its first try). With none to go to, it fails at once on its first try; after
+        a loss it waits for one to (re)connect until its deadline, then fails with `lost`."""
         if stream.closed:
             return
-        upstream = choose(self._upstreams, self._turn)
+        fresh = [u for u in self._upstreams if u.conn is not None and u.conn not in stream.tried]
+        upstream = choose(fresh, self._turn)
         self._turn += 1
         if upstream is None:
-            self._post(stream, EngineError(f"connection to {self.config.url} lost: {self._why_down('')}"))
+            loop = self._thread.loop
+            if lost is None or self._closed or loop.time() >= stream.deadline:
+                self._open.discard(stream)
+                self._post(stream, lost or EngineError(f"connection to {self.config.url} lost: {self._why_down('')}"))
+            else:
+                loop.call_later(FAILOVER_POLL_S, self._route, stream, lost)
             return
         self._open.add(stream)
         stream.upstream = upstream
-        stream.conn, stream.sid = upstream.start(request, lambda item: self._arrive(stream, item))
+        stream.conn, stream.sid = upstream.start(stream.request, lambda item: self._arrive(stream, item))
 
     def _arrive(self, stream: _CallerStream, item: Item) -> None:
+        if self._lost_before_audio(stream, item):
+            stream.upstream.ended(stream.conn, stream.sid)
+            stream.tried.append(stream.conn)
+            stream.sid = None
+            self._count("failovers")
+            self._route(stream, item)
+            return
+        if isinstance(item, AudioChunk):
+            stream.heard = True
         if not isinstance(item, AudioChunk) or item.final:
             self._open.discard(stream)
             stream.upstream.ended(stream.conn, stream.sid)
         self._post(stream, item)
+
+    def _lost_before_audio(self, stream: _CallerStream, item: Item) -> bool:
+        """`item` ends `stream` because its server was lost (its connection closed, or a post found nothing at the
+        address) before any of its audio came, while it may still go elsewhere: nothing of it was heard, so it can."""
+        return (
+            type(item) is EngineError
+            and not stream.heard
+            and stream.conn is not None
+            and stream.conn.closed.done()
+            and not self._closed
+            and self._thread.loop.time() < stream.deadline
+        )
 
     def _cancel(self, stream: _CallerStream) -> None:
         self._open.discard(stream)
@@ -466,4 +506,7 @@ class RemoteEngine:
         self._connected.set()  # waiting callers see _closed
         if self._waiters:
             await asyncio.wait(self._waiters, timeout=CLOSE_TIMEOUT_S)
+        for stream in [s for s in self._open if s.sid is None]:  # lost its server, waiting for another
+            self._open.discard(stream)
+            self._post(stream, EngineClosedError("RemoteEngine closed"))
         self._flush()

@@ -6,8 +6,15 @@ from typing import Any
 
 from .config import EngineConfig, SamplingOverrides, SamplingParams, SyntheticConfig
 from .engine import OrpheusEngine
-from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
-from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
+from .errors import (
+    EngineClosedError,
+    EngineError,
+    EngineFailedError,
+    EngineOverloadedError,
+    KeyRefusedError,
+    ModelLoadError,
+)
+from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions, Usage
 
 __all__ = [
     "AudioChunk",
@@ -16,6 +23,7 @@ __all__ = [
     "EngineError",
     "EngineFailedError",
     "EngineOverloadedError",
+    "KeyRefusedError",
     "ModelLoadError",
     "OrpheusEngine",
     "OrpheusTTSService",
@@ -26,6 +34,7 @@ __all__ = [
     "SpeechEngine",
     "SpeechOptions",
     "SyntheticConfig",
+    "Usage",
 ]
 
 

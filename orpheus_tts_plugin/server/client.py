@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import EngineConfig, SamplingOverrides, SamplingParams
-from ..errors import EngineClosedError, EngineError, EngineOverloadedError
+from ..errors import EngineClosedError, EngineError, EngineOverloadedError, KeyRefusedError
 from ..loop_thread import LoopThread, Outbox, SharedInstances
 from ..mailbox import Mailbox
 from ..spec import SPECS, ModelSpec, spec_for
@@ -134,10 +134,13 @@ class RemoteEngine:
         # The rest belongs to the connection's loop (other threads only read the references).
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         posts = (ssl, key, connect_timeout_s) if keepalive_s is not None else (ssl, key, connect_timeout_s, None)
-        self._upstreams = tuple(Upstream(u, self._connect, backoff_s, self._adopt, posts) for u in urls)
+        self._upstreams = tuple(
+            Upstream(u, self._connect, backoff_s, self._adopt, posts, lambda _: self._connected.set()) for u in urls
+        )
         self._turn = 0  # round-robin among equally loaded servers
         self._open: set[_CallerStream] = set()
-        self._connected = asyncio.Event()  # set at each new connection and at shutdown: waiters look again
+        # Set at each new connection, each refused key and at shutdown: waiters look again.
+        self._connected = asyncio.Event()
         self._keepers: list[asyncio.Task[None]] = []
         self._waiters: set[asyncio.Task[Any]] = set()  # start()s waiting for a connection
         self._spread_once = False  # a start() has seen every server answer (or waited SETTLE_S for them)
@@ -336,6 +339,16 @@ class RemoteEngine:
         connected = (u.conn is not None for u in self._upstreams)
         return all(connected) if every_server else any(connected)
 
+    def _key_refusal(self, every_server: bool) -> str | None:
+        """Why waiting for a connection is pointless: each server it waits for refused the key (None: any may still
+        answer)."""
+        if self._reached(every_server):
+            return None
+        refused = [u for u in self._upstreams if u.conn is None and u.key_refused]
+        if not refused or not (every_server or len(refused) == len(self._upstreams)):
+            return None
+        return "; ".join(dict.fromkeys(str(u.last_error) for u in refused))
+
     def _why_down(self, unknown: str) -> str:
         """Why the servers not connected are not (`unknown` for one that has not failed yet)."""
         down = [u for u in self._upstreams if u.conn is None]
@@ -415,6 +428,9 @@ class RemoteEngine:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
             while not (self._reached(every_server) and (self._settled() or self._spread_once)) and not self._closed:
+                refused = self._key_refusal(every_server)
+                if refused is not None:
+                    raise KeyRefusedError(refused)
                 if self._reached(every_server):  # the others get a short while to answer, then are left to retry
                     deadline = min(deadline, loop.time() + SETTLE_S)
                     if loop.time() >= deadline:

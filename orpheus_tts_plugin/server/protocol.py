@@ -39,6 +39,7 @@ HEADER = struct.Struct("<IBI")  # stream id, flags, sentence index: 9 bytes befo
 FINAL = 0x01  # the stream's last frame
 UTTERANCE_END = 0x02  # the last frame of a sentence (AudioChunk.utterance_end)
 MAX_STREAM_ID = 2**32 - 1
+CLOSE_KEY_REFUSED = 1008  # the WebSocket close code of a missing or wrong API key (policy violation)
 
 # The exception classes that cross the wire by name; anything else arrives as EngineError.
 ERRORS: dict[str, type[Exception]] = {
@@ -136,6 +137,12 @@ class Start:
         if adapter is not None and not isinstance(adapter, str):
             raise TypeError(f"adapter must be a str or null, got {type(adapter).__name__}")
         return cls(text, voice, SamplingOverrides.of(**sampling), adapter, check_speed(message.get("speed", 1.0)))
+
+
+def auth(key: str | None) -> dict[str, Any]:
+    """The `auth` message: a client's key when it cannot send a header; `None`: it has none (a server with keys then
+    refuses at once rather than wait for one; one without keys ignores it)."""
+    return {"type": "auth", "key": key}
 
 
 def cancel(sid: int) -> dict[str, Any]:

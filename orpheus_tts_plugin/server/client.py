@@ -87,8 +87,10 @@ class RemoteEngine:
     `config` (`.model`, `.backend`) and `spec` (voices) behave as OrpheusEngine's do. Voices and
     sampling are checked locally: against the model family's voices until a server's hello, then
     against what the server said it accepts. A lost connection ends the calls it carried with an
-    EngineError at once and is re-opened with exponential backoff (jittered); server errors arrive as
-    the same exception classes (at capacity → EngineOverloadedError, bad input → ValueError/TypeError).
+    EngineError at once (a call with no audio yet goes to another live server instead, until
+    `connect_timeout_s` after it began) and is re-opened with exponential backoff (jittered); server errors
+    arrive as the same exception classes (at capacity → EngineOverloadedError, bad input →
+    ValueError/TypeError); a refused API key is KeyRefusedError, at once.
     Given several servers (all serving the same model), it keeps one connection to each and sends each
     new stream to the least-loaded one that serves; one that drops or drains gets no new streams.
     """

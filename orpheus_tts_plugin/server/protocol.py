@@ -5,6 +5,8 @@ One WebSocket (`WS_PATH`) carries many streams at once, each named by a stream i
 
 - server → client, first: `hello` (protocol version, model, voices, sampling defaults, max_streams), so
   that the client checks voices and sampling values itself without a round trip, then `status`;
+- client → server, first where the server has keys and the client sent no `Authorization` header: `auth` {key}
+  (null: it has none, refused at once; a server without keys ignores it);
 - client → server: `start` {id, text, voice, sampling, speed} and `cancel` {id}; `stats` {req} asks for the
   server's counters;
 - server → client: binary audio frames, `HEADER` (stream id, flags, sentence index) then int16 LE

@@ -1,8 +1,9 @@
 """The servers of a RemoteEngine: each one's connection, kept up by itself, and the choice of where a new stream goes.
 
-A server is left for new streams the moment its connection drops, and once its pushed `status` says it
-drains or its engine does not serve (the server checks its status every `app.STATUS_INTERVAL_S`). A server behind
-Ray Serve's proxy keeps no connection: after its hello, its streams are posted (`stream_posts.PostedConnection`).
+A server is left for new streams the moment its connection drops (until it says hello again), and once its pushed
+`status` says it drains or its engine does not serve (the server checks its status every `app.STATUS_INTERVAL_S`).
+A server behind Ray Serve's proxy keeps no connection: after its hello, its streams are posted
+(`stream_posts.PostedConnection`).
 """
 
 from __future__ import annotations

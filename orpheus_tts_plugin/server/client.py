@@ -204,8 +204,8 @@ class RemoteEngine:
 
     def stats(self) -> dict[str, Any]:
         """This process's streams (active_streams, started, completed, cancelled, failed, rejected), connects,
-        and each server's last status (`servers`, by URL; with one URL also `server`); `await server_stats()`
-        has a server's own counters."""
+        failovers (streams sent on to another server, theirs lost before their first audio), and each server's last
+        status (`servers`, by URL; with one URL also `server`); `await server_stats()` has a server's own counters."""
         with self._lock:
             counters = dict(self._counters)
         streams = collections.Counter(s.upstream.url for s in list(self._open) if s.upstream is not None)

@@ -22,7 +22,17 @@ from __future__ import annotations
 import sys
 
 import livekit_cli
-from livekit.agents import Agent, AgentServer, AgentSession, APIConnectOptions, JobContext, JobProcess, inference, tts
+from livekit.agents import (
+    Agent,
+    AgentServer,
+    AgentSession,
+    APIConnectOptions,
+    JobContext,
+    JobProcess,
+    TurnHandlingOptions,
+    inference,
+    tts,
+)
 from livekit.agents.voice.agent_session import SessionConnectOptions
 from livekit_settings import settings_or_exit
 
@@ -34,6 +44,10 @@ if __name__ == "__main__":  # run as a script: the front door (flags, checks), w
 SETTINGS = settings_or_exit("livekit_agent.py")  # imported by LiveKit's CLI or a job process: check it here too
 # A stalled engine is noticed 2 s after the request or the last chunk (healthy first audio on a GPU: ~0.2 s).
 CONN_OPTIONS = SessionConnectOptions(tts_conn_options=APIConnectOptions(timeout=2.0))
+# Speak before the turn is confirmed: on each final transcript LiveKit runs the LLM and Orpheus ahead of the end of
+# the turn, plays the audio at once when the turn ends, and discards it (the engine stream aborted) if the caller
+# goes on. Cost: the engine's work for each discarded reply (docs/livekit.md, "Preemptive generation").
+TURN_HANDLING: TurnHandlingOptions = {"preemptive_generation": {"preemptive_tts": True}}
 INSTRUCTIONS = (
     "You are a friendly voice assistant. Answer in short, plain spoken sentences without markdown or emojis. "
     "You may use the tags <laugh>, <chuckle> or <sigh> where a person would."
@@ -87,6 +101,7 @@ async def entrypoint(ctx: JobContext) -> None:
         vad=ctx.proc.userdata["vad"],
         tts=await voice(),
         conn_options=CONN_OPTIONS,
+        turn_handling=TURN_HANDLING,
     )
     await session.start(agent=Agent(instructions=INSTRUCTIONS), room=ctx.room)
     session.generate_reply(instructions="Greet the user and offer your help.")

@@ -1,5 +1,6 @@
 """The LiveKit example's command line: flags into the environment, checks before anything loads, then LiveKit's
-current CLI (`python -m livekit.agents`, what `lk agent ...` runs) on the agent file, or an offline command.
+current CLI (`python -m livekit.agents`, what `lk agent ...` runs; exec'd, its command line its only interface) on
+the agent file, or an offline command.
 
 `start`/`dev`/`console` hand the agent file to LiveKit's supported entry point, not the deprecated
 `cli.run_app`; `download-files` fetches the engine's weights itself (LiveKit's own finds only `livekit.plugins.*`
@@ -74,10 +75,8 @@ def require_livekit() -> None:
         raise ValueError(f"LIVEKIT_URL={url!r} is not a LiveKit server URL: use wss://HOST or ws://HOST:PORT")
 
 
-def run_livekit(agent_file: str, args: argparse.Namespace) -> int:
+def run_livekit(agent_file: str, args: argparse.Namespace) -> NoReturn:
     """`start`, `dev`, `console`: LiveKit's current CLI on the agent file, once everything it needs is there."""
-    from livekit.agents.__main__ import main as livekit_main
-
     if args.command == "console":
         if not args.connect_addr:
             raise ValueError(
@@ -85,11 +84,19 @@ def run_livekit(agent_file: str, args: argparse.Namespace) -> int:
                 "--connect-addr); without it, `speak` runs a job offline"
             )
         Settings.from_env().check()
-        return livekit_main(["console", agent_file, "--connect-addr", args.connect_addr])
+        livekit_command(["console", agent_file, "--connect-addr", args.connect_addr])
     require_livekit()
     Settings.from_env().check()
     dev = ["--dev", "--log-format", "colored", "--log-level", "DEBUG"] if args.command == "dev" else []
-    return livekit_main(["start", agent_file, *dev])
+    livekit_command(["start", agent_file, *dev])
+
+
+def livekit_command(argv: list[str]) -> NoReturn:
+    """LiveKit's documented command line, `python -m livekit.agents ARGV`, in place of this process: the worker
+    gets its signals and gives its exit status as if run so (the flags given are in the environment by now)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "livekit.agents", *argv])
 
 
 def fetch(agent_file: str, args: argparse.Namespace) -> int:

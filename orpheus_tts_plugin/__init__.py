@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# The one place the version is written: pyproject.toml reads it (dynamic), `orpheus-tts --version` prints it.
+__version__ = "0.1.0"
+
 from .config import EngineConfig, SamplingOverrides, SamplingParams, SyntheticConfig
 from .engine import OrpheusEngine
 from .errors import (

@@ -16,8 +16,22 @@ import traceback
 from collections.abc import Iterator
 from types import ModuleType
 
+from . import __version__
 from .errors import EngineError
 from .interrupt import interrupted
+
+DEVICE_HELP = "auto, cpu, cuda or cuda:N"
+JSON_HELP = "also write the figures to this JSON file"
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help followed by its default, where it has one worth showing (not None, False or empty) and the
+    help does not name it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.option_strings and action.default not in (None, False, [], (), argparse.SUPPRESS)
+        return f"{text} (default: %(default)s)" if shown and "default" not in text else text
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -38,48 +52,57 @@ def _add_owned(sub: argparse._SubParsersAction, name: str, summary: str, module:
 
 
 def _add_say(sub: argparse._SubParsersAction) -> None:
+    from .config import BACKENDS
+    from .spec import ENGLISH
+
     say = sub.add_parser("say", help="speak text to a WAV file")
-    say.add_argument("text")
+    say.add_argument("text", help="what to say; <laugh>-style tags are kept")
     say.add_argument("--model", default="canopylabs/orpheus-3b-0.1-ft", help="hub id or local directory")
     say.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="hub id or local directory")
-    say.add_argument("--backend", default="hf")
-    say.add_argument("--device", default="auto")
-    say.add_argument("--voice", default=None)
-    say.add_argument("--out", required=True)
+    say.add_argument("--backend", default="hf", choices=BACKENDS, help="what generates the tokens (docs/backends.md)")
+    say.add_argument("--device", default="auto", help=DEVICE_HELP)
+    voices = ", ".join(ENGLISH.voices)
+    say.add_argument(
+        "--voice", default=None, help=f"{voices} (default {ENGLISH.default_voice}); other languages: docs/voices.md"
+    )
+    say.add_argument("--out", required=True, help="the WAV file to write (24 kHz, mono, 16-bit)")
     say.add_argument("--save-tokens", default=None, help="save generated ids (.npy) for `decode`")
-    say.add_argument("--seed", type=int, default=None)
+    say.add_argument("--seed", type=int, default=None, help="fix the sampled tokens (default: random)")
     say.set_defaults(**_handler("tools.say:say_main"))
 
 
 def _add_decode(sub: argparse._SubParsersAction) -> None:
     dec = sub.add_parser("decode", help="replay saved token ids through the decoder")
-    dec.add_argument("tokens")
-    dec.add_argument("--snac", default="hubertsiuzdak/snac_24khz")
-    dec.add_argument("--out", required=True)
+    dec.add_argument("tokens", help="token ids saved by `say --save-tokens` (.npy)")
+    dec.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="hub id or local directory")
+    dec.add_argument("--out", required=True, help="the WAV file to write")
     dec.add_argument("--offline", action="store_true", help="decode each utterance whole instead of streaming")
-    dec.add_argument("--device", default="cpu")
-    dec.add_argument("--model-family", default="orpheus-en")
-    dec.add_argument("--first-chunk-frames", type=int, default=4)
-    dec.add_argument("--noise-seed", type=int, default=0)
+    dec.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    dec.add_argument("--model-family", default="orpheus-en", help="token ids and voices (docs/voices.md)")
+    dec.add_argument("--first-chunk-frames", type=int, default=4, help="frames before the first decode")
+    dec.add_argument("--noise-seed", type=int, default=0, help="seed of SNAC's noise table")
     dec.set_defaults(**_handler("tools.replay:decode_main"))
 
     cmp_ = sub.add_parser("compare", help="max abs difference of two WAVs (exit 1 above the tolerance)")
-    cmp_.add_argument("a")
-    cmp_.add_argument("b")
-    cmp_.add_argument("--tolerance", type=int, default=33)
+    cmp_.add_argument("a", help="a WAV file")
+    cmp_.add_argument("b", help="a WAV file of the same length")
+    cmp_.add_argument("--tolerance", type=int, default=33, help="largest int16 difference that passes")
     cmp_.set_defaults(**_handler("tools.wav:compare_main"))
 
 
 def _add_weights(sub: argparse._SubParsersAction) -> None:
     dl = sub.add_parser("download", help="fetch Orpheus and SNAC weights into the Hugging Face cache")
-    dl.add_argument("--model", default="canopylabs/orpheus-3b-0.1-ft")
-    dl.add_argument("--snac", default="hubertsiuzdak/snac_24khz")
+    dl.add_argument("--model", default="canopylabs/orpheus-3b-0.1-ft", help="hub id (gated: set HF_TOKEN)")
+    dl.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="hub id")
     dl.set_defaults(**_handler("weights:download_main"))
 
     mk = sub.add_parser("make-test-model", help="write random-weight Orpheus-shaped and SNAC checkpoints")
-    mk.add_argument("dir")
-    mk.add_argument("--snac", choices=("full", "tiny"), default="full")
-    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("dir", help="writes DIR/orpheus (--model) and DIR/snac (--snac)")
+    mk.add_argument(
+        "--snac", choices=("full", "tiny"), default="full",
+        help="full: the real 24 kHz architecture (decoder benchmarks); tiny: narrow and fast (tests, first tries)",
+    )  # fmt: skip
+    mk.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     mk.add_argument("--head-dim", type=int, default=32, help="attention head width (vLLM's CPU build needs >= 32)")
     mk.add_argument(
         "--adapter", action="append", metavar="ADIR", help="also write a random LoRA adapter (PEFT) to ADIR; repeatable"
@@ -102,7 +125,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     dec.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="SNAC checkpoint")
     dec.add_argument("--streams", type=int, default=8, help="concurrent streams")
     dec.add_argument("--seconds", type=float, default=4.0, help="audio seconds per stream")
-    dec.add_argument("--device", default="cpu")
+    dec.add_argument("--device", default="cpu", help=DEVICE_HELP)
     dec.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     over = what.add_parser("overhead", help="host CPU per token: synthetic backend, no-op decoder")
     over.add_argument("--streams", type=int, default=256, help="concurrent streams")
@@ -110,16 +133,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     over.add_argument("--rate", type=float, default=0.0, help="tokens/s per stream (0 = flat out)")
     over.add_argument("--loops", type=int, default=1, help="consumer event loops (threads)")
     for p in (dec, over):
-        p.add_argument("--json", default=None)
+        p.add_argument("--json", default=None, help=JSON_HELP)
         p.set_defaults(**_handler("tools.bench.micro:main"))
     host = what.add_parser("host", help="aten ops and host ms per steady decoder tick, eager and compiled")
     host.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="SNAC checkpoint")
     host.add_argument("--streams", type=_ints, default=(1, 16, 64, 256), help="stream counts, e.g. 1,16,64,256")
-    host.add_argument("--device", default="cpu")
+    host.add_argument("--device", default="cpu", help=DEVICE_HELP)
     host.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     host.add_argument("--ticks", type=int, default=5, help="timed steady ticks per point")
     host.add_argument("--no-compile", dest="compile", action="store_false", help="eager only")
-    host.add_argument("--json", default=None)
+    host.add_argument("--json", default=None, help=JSON_HELP)
     host.set_defaults(**_handler("tools.bench.host:main"))
     lay = what.add_parser("layers", help="each decoder layer's ms per steady call beside its matmul (kernel cliffs)")
     lay.add_argument("--snac", default="hubertsiuzdak/snac_24khz", help="SNAC checkpoint")
@@ -127,16 +150,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     lay.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     lay.add_argument("--calls", type=int, default=20, help="timed calls per layer")
     lay.add_argument("--unpacked", action="store_true", help="every product through torch.mm (as compiled; before)")
-    lay.add_argument("--json", default=None)
+    lay.add_argument("--json", default=None, help=JSON_HELP)
     lay.set_defaults(**_handler("tools.bench.layers:main"))
     back = what.add_parser("backend", help="tokens/s of a backend's decode step by batch size, old vs new sampler")
-    back.add_argument("--backend", default="hf", choices=("hf",))
+    back.add_argument("--backend", default="hf", choices=("hf",), help="the backend whose step is timed")
     back.add_argument("--model", required=True, help="model dir or hub id")
     back.add_argument("--batch", type=_ints, default=(1, 16, 64, 256), help="batch sizes, e.g. 1,16,64,256")
-    back.add_argument("--device", default="cpu")
+    back.add_argument("--device", default="cpu", help=DEVICE_HELP)
     back.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     back.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
-    back.add_argument("--json", default=None)
+    back.add_argument("--json", default=None, help=JSON_HELP)
     back.set_defaults(**_handler("tools.bench.backend:main"))
     from .tools.bench import lora as bench_lora
 
@@ -165,12 +188,14 @@ def _subparsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentPa
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole `orpheus-tts` command line (no subcommand module that needs torch is imported)."""
-    p = argparse.ArgumentParser(prog="orpheus-tts", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="orpheus-tts", description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="show full tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_say, _add_decode, _add_weights, _add_bench, _add_server):
         add(sub)
     for parser in _subparsers(p):  # after the subcommand too; SUPPRESS keeps a --verbose given before it
+        parser.formatter_class = HelpFormatter
         parser.add_argument(
             "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks"
         )

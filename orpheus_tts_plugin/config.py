@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 SEED_LIMIT = 2**63  # seeds are int64 in every backend: [0, 2**63)
+# Characters of text one synthesize() call (or one request to `orpheus-tts serve`) takes: OpenAI's limit for `input`.
+MAX_TEXT_CHARS = 4096
 
 
 def _is_int(value: object) -> bool:
@@ -29,6 +31,14 @@ def check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
     if value < lo or (hi is not None and value >= hi):
         bound = f"in [{lo}, {hi})" if hi is not None else f">= {lo}"
         raise ValueError(f"{name} must be an int {bound}, got {value}")
+
+
+def check_text_length(
+    text: str, limit: int | None, whose: str, error: type[ValueError] = ValueError, remedy: str = ""
+) -> None:
+    """`error` naming `whose` limit (and `remedy`) if `text` is longer than `limit` characters (None: no limit)."""
+    if limit is not None and len(text) > limit:
+        raise error(f"text of {len(text)} characters is over {whose} limit of {limit}{remedy}")
 
 
 def check_number(name: str, value: object, *, lo: float, lo_open: bool = False, hi: float | None = None) -> None:
@@ -173,6 +183,9 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decoder step; on CUDA also capture it as graphs (hf's always are)
     noise_seed: int = 0
     sentence_max_chars: int = 300
+    # Characters one synthesize() call takes; longer raises ValueError at once (None: no limit). Agents pass LLM text
+    # a sentence at a time; a whole book in one call would hold a stream (and a core) for minutes.
+    max_text_chars: int | None = MAX_TEXT_CHARS
     token_budget_per_char: float = 12.0
     token_budget_base: int = 350
     constrain_audio: bool = True  # restrict sampling to the ids valid at each frame position
@@ -211,6 +224,8 @@ class EngineConfig:
         check_int("first_chunk_frames", self.first_chunk_frames, 1)
         check_int("noise_seed", self.noise_seed, 0, SEED_LIMIT)
         check_int("sentence_max_chars", self.sentence_max_chars, 20)
+        if self.max_text_chars is not None:
+            check_int("max_text_chars", self.max_text_chars, 1)
         check_number("token_budget_per_char", self.token_budget_per_char, lo=0.0)
         check_int("token_budget_base", self.token_budget_base, 0)
         self.sampling.validate()

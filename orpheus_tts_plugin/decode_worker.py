@@ -30,6 +30,7 @@ from .types import AudioChunk, Usage
 
 if TYPE_CHECKING:
     from .decoder import DecodeState, FrameDecoder
+    from .speculation import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +44,25 @@ class CallerStream:
         "box",
         "closed",
         "first_audio_at",
+        "frames",
         "id",
         "loop",
         "paused",
         "resumed",
         "samples",
+        "speculation",
         "task",
         "taken",
         "usage",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, usage: Usage | None = None):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, speculation: Speculation | None = None, usage: Usage | None = None
+    ):
         self.id = uuid.uuid4().hex
         self.loop = loop
+        self.speculation = speculation  # a speculative stream's outcome and cost (any thread: its own lock)
+        self.frames = 0  # frames generated for it (engine loop only)
         self.closed = False  # set by the caller when it leaves early; read by every thread
         self.samples = 0  # written by the decoder thread only
         self.first_audio_at: float | None = None  # monotonic time its first audio left the decoder (decoder thread)

@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from .backends.protocol import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
 from .codes import FrameParser
-from .config import EngineConfig, SamplingOverrides
+from .config import EngineConfig, SamplingOverrides, check_text_length
 from .decode_worker import CallerStream, DecodeWorker, Utterance
 from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError
 from .loading import load
 from .loop_thread import LoopThread, SharedInstances, post
 from .prompt import sentence_requests
-from .spec import ModelSpec, spec_for, with_voices
+from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME, ModelSpec, spec_for, with_voices
+from .speculation import Speculation, SpeculationTally
 from .stretch import stretched
 from .text import split_sentences
 from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions, Usage
@@ -47,6 +48,8 @@ __all__ = ["AudioChunk", "OrpheusEngine", "SpeechEngine"]  # AudioChunk and Spee
 
 log = logging.getLogger(__name__)
 
+# What a text over EngineConfig.max_text_chars should do instead (the ValueError's tail).
+TEXT_REMEDY = " (EngineConfig.max_text_chars; None lifts it): pass it a sentence or a paragraph at a time"
 # Counters stats() always has, zero until counted (the others appear when they first happen).
 _STREAM_COUNTERS = ("streams_started", "streams_completed", "streams_cancelled", "streams_failed", "streams_rejected")
 
@@ -84,6 +87,7 @@ class OrpheusEngine:
         self._tokenizer: Any = None
         self._open: set[CallerStream] = set()
         self._counters: collections.Counter[str] = collections.Counter(dict.fromkeys(_STREAM_COUNTERS, 0))
+        self._speculations = SpeculationTally()  # any thread (its own lock)
         self._closed = False
         self._failure: str | None = None
         self._kick_pending = False  # engine loop only
@@ -285,6 +289,7 @@ class OrpheusEngine:
         options: SpeechOptions | None = None,
         adapter: str | None = None,
         token_log: list[int] | None = None,
+        speculative: bool = False,
         usage: Usage | None = None,
         **overrides: float | int | None,
     ) -> Speech:
@@ -297,19 +302,27 @@ class OrpheusEngine:
         Sentence i of a long text is generated with seed + i, so, run alone, it equals that sentence spoken alone
         with seed + i; beside other streams a seed fixes the tokens only with the hf backend's `batch_invariant`
         steps (otherwise the batch's rounding can flip a nearly tied one: docs/engine.md, "Seeds"). Validates
-        eagerly (TypeError/ValueError naming the field). Empty text yields nothing. Long text is split at sentence
-        bounds and spoken in order, each sentence's audio whole before the next. Leaving the loop early, `aclose()`
+        eagerly (TypeError/ValueError naming the field; text over `EngineConfig.max_text_chars`, ValueError naming
+        the limit). Empty text yields nothing. Long text is split at sentence bounds and spoken in order, each
+        sentence's audio whole before the next. Leaving the loop early, `aclose()`
         or cancelling the task aborts the generation within one engine step. `token_log`, if given, receives every
-        generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays. The Speech's
-        `usage` counts its prompt and generated ids (into `usage`, if given: what a server's route reads after).
+        generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
+        `speculative`: a reply spoken before the caller's turn is confirmed; `Speech.confirm()` once it will be
+        played, else it counts as discarded (`stats()`: `speculative_*`). It is generated like any other. The
+        Speech's `usage` counts its prompt and generated ids (into `usage`, if given: what a server's route reads
+        after).
         """
+        check_text_length(text, self.config.max_text_chars, "the engine's", remedy=TEXT_REMEDY)
+        if not isinstance(speculative, bool):
+            raise TypeError(f"speculative must be a bool, got {type(speculative).__name__}")
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         pieces = self.sentences(text)
+        speculation = self._speculations.open() if speculative else None
         usage = Usage() if usage is None else usage
-        chunks = self._synthesize(pieces, options, token_log, usage)
+        chunks = self._synthesize(pieces, options, token_log, speculation, usage)
         if options.speed != 1.0:  # after decoding, on the caller's loop (a tenth of a ms a chunk: stretch.py)
             chunks = stretched(chunks, options.speed)
-        return Speech(pieces, chunks, usage)
+        return Speech(pieces, chunks, speculation, usage)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, one request each, in order (`AudioChunk.utterance` indexes them)."""
@@ -335,12 +348,17 @@ class OrpheusEngine:
         )
 
     async def _synthesize(
-        self, pieces: list[str], options: SpeechOptions, token_log: list[int] | None, usage: Usage
+        self,
+        pieces: list[str],
+        options: SpeechOptions,
+        token_log: list[int] | None,
+        speculation: Speculation | None,
+        usage: Usage,
     ) -> AsyncGenerator[AudioChunk, None]:
         if not pieces:
             return
         await self.start()
-        stream = CallerStream(asyncio.get_running_loop(), usage)
+        stream = CallerStream(asyncio.get_running_loop(), speculation, usage)
         cloned = self._voices.get(options.voice)
         reference = () if cloned is None else self._voices.encode(cloned, self._tokenizer, self._encoder)
         requests = sentence_requests(
@@ -348,6 +366,8 @@ class OrpheusEngine:
         )
         usage.input_tokens = sum(len(req.prompt_ids) for req, _ in requests)
         self._admit(stream)
+        if speculation is not None:
+            speculation.started()
         self._loop.call_soon_threadsafe(self._begin, stream, requests, token_log)
         complete = False
         try:
@@ -364,6 +384,8 @@ class OrpheusEngine:
                 stream.closed = True
                 self._release(stream)  # the caller has left: its place is free now, its abort follows in a step
                 self._count("streams_failed" if stream.box.ended else "streams_cancelled")
+                if speculation is not None:  # ended before its end, unconfirmed: its audio will not be played
+                    speculation.discard()
                 with contextlib.suppress(RuntimeError):  # RuntimeError: the engine loop is already closed
                     self._loop.call_soon_threadsafe(self._cancel, stream)
 
@@ -386,6 +408,7 @@ class OrpheusEngine:
     ) -> None:
         if stream.closed or stream not in self._open:  # cancelled, or failed with the engine, before it began
             self._release(stream)
+            self._generation_over(stream)
             return
         stream.task = self._loop.create_task(self._generate(stream, requests, token_log))
 
@@ -413,6 +436,13 @@ class OrpheusEngine:
                 err.__cause__ = exc
             post(stream, err)
             self._release(stream)
+        finally:
+            self._generation_over(stream)
+
+    def _generation_over(self, stream: CallerStream) -> None:
+        """Engine loop: `stream` generates no more; a speculation learns the audio generated for it."""
+        if stream.speculation is not None:
+            stream.speculation.ended(stream.frames * SAMPLES_PER_FRAME / SAMPLE_RATE)
 
     async def _generate_utterance(
         self, utt: Utterance, req: GenerationRequest, limit_kind: str, token_log: list[int] | None
@@ -447,6 +477,7 @@ class OrpheusEngine:
                     await self._wait_for_reader(utt.stream, tokens)
         finally:
             await tokens.aclose()
+            utt.stream.frames += parser.frames_out
             utt.stream.usage.output_tokens += n_tokens + (tokens.finish_reason == FinishReason.STOP)  # its end id
             self._count_utterance(parser, n_tokens, tokens.finish_reason, limit_kind)
         if token_log is not None:
@@ -510,7 +541,10 @@ class OrpheusEngine:
     def _release(self, stream: CallerStream) -> None:
         """Stop counting `stream` as active (once, whichever way it ended)."""
         with self._lock:
+            held = stream in self._open
             self._open.discard(stream)
+        if held and stream.speculation is not None:
+            stream.speculation.released()
 
     # ---------------------------------------------------------------- metrics
     def _count(self, key: str, n: int = 1) -> None:
@@ -528,10 +562,13 @@ class OrpheusEngine:
                 self._counters[f"invalid_{key}"] += n
 
     def stats(self) -> dict[str, Any]:
-        """Counters of the whole engine: active_streams, tokens, frames, finish reasons, bad ids, decoder calls."""
+        """Counters of the whole engine: active_streams, tokens, frames, finish reasons, bad ids, decoder calls, and
+        speculative streams (`speculation.STAT_KEYS`: started, confirmed, discarded, and the discarded ones' audio
+        seconds generated and stream-seconds held)."""
         health = self.health()
         with self._lock:
             out: dict[str, Any] = {"active_streams": len(self._open), **self._counters}
+        out.update(self._speculations.stats())
         out["status"], out["failure"] = health["status"], health["reason"] if health["status"] == "failed" else None
         if self._worker is not None:
             out.update(self._worker.decoder.stats())

@@ -1,63 +1,52 @@
 """LiveKit Agents adapter: an Orpheus `tts.TTS` on one process-wide engine shared by every job of a worker.
 
-Every job of a worker that runs with the thread job executor (`JobExecutorType.THREAD`) lives in the
-worker process, each on its own event loop in its own thread; `OrpheusEngine` serves all of them at
-once, so one GPU engine speaks for every call. `server_options()` gives the `AgentServer` keyword
-arguments for that set-up (thread executor, a `load_fnc` reporting the engine's load, a threshold), or,
-with `server_url`, for LiveKit's default process-per-job executor, every job reaching `orpheus-tts serve`
-through `remote_engine(url)` (a `RemoteEngine`: one connection per server per job process; `url` may
-list several servers, and each stream then goes to the least-loaded one).
+The worker set-up (`server_options`, `prewarm_engine`, `remote_engine`, `engine_load_fnc`, the `OrpheusPlugin`
+registered on import: its `download_files()` fetches the weights) is in livekit_worker.py, re-exported here.
+Importing does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
 
-Importing this module registers `OrpheusPlugin` (whose `download_files()` fetches the weights) and
-does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
+LiveKit's contract (docs/livekit.md, "Timeouts, retries and failover"): `conn_options.timeout` bounds the wait for
+each request's first audio and for every later chunk; past it the engine request is aborted and `APITimeoutError`
+(retryable) is raised. Engine errors map to LiveKit errors in `_api_error`, whose `retryable` flags decide LiveKit's
+retries; `tts.FallbackAdapter` fails over on any of them.
 
-LiveKit's contract (docs/livekit.md, "Timeouts, retries and failover"): `conn_options.timeout` bounds
-the wait for each request's first audio and for every later chunk; past it the engine request is
-aborted and `APITimeoutError` (retryable) is raised. Engine errors map to LiveKit errors in
-`_api_error`, whose `retryable` flags decide LiveKit's retries; `tts.FallbackAdapter` fails over on
-any of them.
-
-Aligned transcripts (`capabilities.aligned_transcript`): every stream pushes its words as `TimedString`s,
-seconds from the segment's first sample, estimated by `words.WordTimer`; with
-`AgentSession(use_tts_aligned_transcript=True)` an interrupted reply is cut where its audio stopped.
-
-Speech from the first phrase (`TTS(first_phrase=N)`): a stream holds its text back from the sentence
-tokenizer until its first clause mark after N words (first_phrase.py), speaks that phrase, then the rest
-as the tokenizer splits it (`_SpokenTexts`); one stream is one reply in LiveKit's AgentSession.
+Each stream (one reply in LiveKit's AgentSession) speaks through the reply room (reply.py): its first phrase
+(`TTS(first_phrase=N)`), then sentences as the sentence tokenizer cuts them, and its words as `TimedString`s
+(`capabilities.aligned_transcript`), seconds from the segment's first sample. LiveKit's preemptive generation
+(`preemptive_tts`) runs and cancels syntheses itself: a cancelled one is closed at once, its engine stream aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib.metadata
 import logging
-import threading
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
 
 from .config import EngineConfig, SamplingOverrides
-from .engine import OrpheusEngine
 from .errors import Failure, failure_of, missing_extra
-from .first_phrase import FirstPhrase, FirstPhraseSplitter, min_words_of
+from .first_phrase import FirstPhrase, min_words_of
+from .livekit_worker import (
+    OrpheusPlugin,
+    _engine_for,
+    download_files,
+    engine_load_fnc,
+    prewarm_engine,
+    remote_engine,
+    server_options,
+)
+from .reply import ReplayText, ReplySpeech, ReplyText, language_voice
 from .spec import SAMPLE_RATE
-from .types import AudioChunk, SpeechEngine, SpeechOptions
-from .weights import download_files
-from .words import DEFAULT_WEIGHTS, Pace, TimedWord, Weights, WordTimer
+from .types import SpeechEngine, SpeechOptions
+from .words import DEFAULT_WEIGHTS, Pace, Weights
 
 try:
     from livekit.agents import (
         DEFAULT_API_CONNECT_OPTIONS,
-        AgentServer,
         APIConnectionError,
         APIConnectOptions,
         APIError,
         APIStatusError,
         APITimeoutError,
-        JobExecutorType,
-        Plugin,
         tokenize,
         tts,
         utils,
@@ -84,21 +73,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NUM_CHANNELS = 1
-_used_configs: dict[EngineConfig, None] = {}  # configs this process builds engines from, for download_files()
-_used_lock = threading.Lock()
 
 
-def _engine_for(engine: SpeechEngine | EngineConfig | None) -> SpeechEngine:
-    """The given engine (in process or a RemoteEngine), or the process-wide engine of a config (default if None)."""
-    if engine is not None and not isinstance(engine, EngineConfig):
-        config = engine.config
-    else:
-        config = engine or EngineConfig()
-        engine = OrpheusEngine.shared(config)
-    if isinstance(config, EngineConfig):  # a RemoteEngine's weights live on its server
-        with _used_lock:
-            _used_configs[config] = None
-    return engine
+def _base(language: LanguageCode | None) -> str | None:
+    """A LiveKit language code's base language ("fr-FR" -> "fr"), as the model family names it."""
+    return None if language is None else language.language
 
 
 class TTS(tts.TTS):
@@ -145,9 +124,8 @@ class TTS(tts.TTS):
         self._language = self._check_language(language)
         self._voice = voice  # as given (None: the language's default voice)
         self._adapter = adapter  # as given (None: the voice's, if any)
-        self._opts: SpeechOptions = self._engine.check_options(
-            self._voice_for(voice, self._language), sampling, adapter=adapter, **overrides
-        )
+        voice_asked = language_voice(self._engine.spec, _base(self._language), voice)
+        self._opts: SpeechOptions = self._engine.check_options(voice_asked, sampling, adapter=adapter, **overrides)
         self._sentence_tokenizer = (
             sentence_tokenizer if utils.is_given(sentence_tokenizer) else tokenize.blingfire.SentenceTokenizer()
         )
@@ -197,9 +175,9 @@ class TTS(tts.TTS):
         if utils.is_given(language):
             new_language = self._check_language(language)
             if not utils.is_given(voice) and self._voice is not None and new_language is not None:
-                new_voice = self._engine.spec.voice_for_language(new_language.language, self._voice)
+                new_voice = language_voice(self._engine.spec, _base(new_language), None, self._voice)
         new_adapter = adapter if utils.is_given(adapter) else self._adapter
-        voice_asked = self._voice_for(new_voice, new_language)
+        voice_asked = language_voice(self._engine.spec, _base(new_language), new_voice)
         changes.setdefault("speed", self._opts.speed)  # kept unless changed, as the sampling overrides are
         opts = self._engine.check_options(voice_asked, self._opts.overrides, adapter=new_adapter, **changes)
         self._opts, self._voice, self._language, self._adapter = opts, new_voice, new_language, new_adapter
@@ -212,12 +190,6 @@ class TTS(tts.TTS):
         code = LanguageCode(language)
         spec.check_language(code.language)
         return code
-
-    def _voice_for(self, voice: str | None, language: LanguageCode | None) -> str | None:
-        """The voice to ask for: `voice` if given, else the default voice of `language` (if known)."""
-        if voice is not None or language is None:
-            return voice
-        return self._engine.spec.voice_for_language(language.language)
 
     def prewarm(self) -> None:
         """Start loading the engine in the background; never blocks the caller's event loop."""
@@ -238,64 +210,22 @@ class TTS(tts.TTS):
         self._streams.clear()
 
 
-@dataclass
-class _Segment:
-    """One emitter segment's word timeline: the samples already pushed into it, the speaking rate learnt."""
-
-    pace: Pace
-    samples: int = 0
-
-    def timed(self, words: list[TimedWord]) -> list[TimedString]:
-        """Words of the request being spoken as LiveKit's timed transcript (seconds from the segment's start)."""
-        at = self.samples / SAMPLE_RATE
-        return [TimedString(f"{w.text} ", start_time=at + w.start_s, end_time=at + w.end_s) for w in words]
-
-
-async def _speak(
-    engine: SpeechEngine,
-    text: str,
-    opts: SpeechOptions,
-    emitter: tts.AudioEmitter,
-    timeout: float,
-    segment: _Segment,
-) -> None:
+async def _speak(reply: ReplySpeech, text: str, emitter: tts.AudioEmitter, timeout: float) -> None:
     """Push the engine's audio for `text` and its timed words into `emitter`, no chunk later than `timeout`.
 
-    Each word is pushed once its estimated end has been generated, before that chunk's audio; failures
-    become API errors.
+    Each word is pushed once its estimated end has been generated, before that chunk's audio (seconds from the
+    segment's first sample: one reply is one segment); failures become API errors.
     """
-    pushed = 0
     try:
-        chunks = engine.synthesize(text, options=opts)
-        words = WordTimer(chunks.sentences, segment.pace, speed=opts.speed)
-        # aclosing: the generation is aborted the moment this task is cancelled, not at garbage collection.
-        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-            async for chunk in _in_time(chunks, timeout):
-                if timed := segment.timed(words.feed(chunk)):
-                    emitter.push_timed_transcript(timed)
-                if chunk.pcm:
-                    emitter.push(chunk.pcm)
-                pushed = chunk.start_sample + chunk.num_samples
+        async for spoken in reply.speak(text, timeout):
+            if spoken.words:
+                emitter.push_timed_transcript(
+                    [TimedString(f"{w.text} ", start_time=w.start_s, end_time=w.end_s) for w in spoken.words]
+                )
+            if spoken.chunk.pcm:
+                emitter.push(spoken.chunk.pcm)
     except Exception as exc:
-        raise _api_error(exc, serving=engine.health()["status"] not in ("failed", "closed")) from exc
-    finally:
-        segment.samples += pushed
-
-
-async def _in_time(chunks: AsyncGenerator[AudioChunk, None], timeout: float) -> AsyncIterator[AudioChunk]:
-    """The chunks of `chunks`, each within `timeout` seconds of the previous one (the first: of the request).
-
-    Past it, TimeoutError; the wait was cancelled inside the engine's generator, which aborts the
-    engine request within one engine step. The wait for a cold engine's load counts too: nothing
-    waits without bound, and a `FallbackAdapter` speaks through its next TTS while the model loads.
-    """
-    while True:
-        try:
-            yield await asyncio.wait_for(chunks.__anext__(), timeout)
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:  # builtin TimeoutError from 3.11; a distinct class on 3.10
-            raise TimeoutError(f"no audio from the engine within {timeout:g} s (conn_options.timeout)") from None
+        raise _api_error(exc, serving=reply.serving) from exc
 
 
 def _api_error(exc: Exception, *, serving: bool = True) -> APIError:
@@ -354,41 +284,9 @@ class ChunkedStream(tts.ChunkedStream):
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=False)
-        segment = _Segment(self._pace)
-        await _speak(self._engine, self.input_text, self._opts, output_emitter, self._timeout, segment)
+        reply = ReplySpeech(self._engine, self._opts, self._pace)
+        await _speak(reply, self.input_text, output_emitter, self._timeout)
         # no flush(): the base class ends the input, so the last audio frame itself carries is_final
-
-
-class _PushedText:
-    """The text pushed to a stream so far, each flush as None, replayed from the start for each attempt."""
-
-    def __init__(self) -> None:
-        self._items: list[str | None] = []
-        self._ended = False
-        self._changed = asyncio.Event()
-
-    def add(self, item: str | None) -> None:
-        """Keep a token (empty ones are dropped, as LiveKit does) or a flush (None), unless the input has ended."""
-        if item != "" and not self._ended:
-            self._items.append(item)
-            self._changed.set()
-
-    def end(self) -> None:
-        """No more text will come."""
-        self._ended = True
-        self._changed.set()
-
-    async def replay(self) -> AsyncIterator[str | None]:
-        """Everything pushed, from the first token, waiting for more until the input ends."""
-        sent = 0
-        while True:
-            while sent < len(self._items):
-                sent += 1
-                yield self._items[sent - 1]
-            if self._ended:
-                return
-            self._changed.clear()
-            await self._changed.wait()
 
 
 class SynthesizeStream(tts.SynthesizeStream):
@@ -402,7 +300,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         self._first_phrase = tts._first_phrase
         self._pace = tts._pace
         self._timeout = conn_options.timeout  # LiveKit keeps conn_options private (tts/tts.py SynthesizeStream)
-        self._pushed = _PushedText()
+        self._pushed = ReplayText()
 
     # LiveKit gives a stream's pushed text to its subclass only through private names (SynthesizeStream._input_ch
     # and _FlushSentinel, tts/tts.py), so the public push_text/flush/end_input also keep it here, for every attempt.
@@ -423,172 +321,37 @@ class SynthesizeStream(tts.SynthesizeStream):
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         _initialize(output_emitter, stream=True)
-        texts = _SpokenTexts(self._sentence_tokenizer.stream(), self._first_phrase)
+        texts: asyncio.Queue[str | None] = asyncio.Queue()
         forward = asyncio.create_task(self._forward_input(texts), name="orpheus.forward_input")
+        reply = ReplySpeech(self._engine, self._opts, self._pace)
         try:
-            segment: _Segment | None = None
-            async for text in texts.spoken():
-                if segment is None:
+            started = False
+            while (text := await texts.get()) is not None:
+                if not started:
                     output_emitter.start_segment(segment_id=utils.shortuuid())
-                    segment = _Segment(self._pace)
+                    started = True
                 self._mark_started()  # LiveKit's only start of the stream's metrics clock (tts/tts.py)
-                await _speak(self._engine, text, self._opts, output_emitter, self._timeout, segment)
+                await _speak(reply, text, output_emitter, self._timeout)
             await forward
-            if segment is not None:
+            if started:
                 output_emitter.end_segment()
         finally:
             await utils.aio.cancel_and_wait(forward)
-            await texts.aclose()
+            await reply.discard()  # aborts whatever is still generating (nothing, once it ended whole)
 
-    async def _forward_input(self, sentences: _SpokenTexts) -> None:
-        """Feed pushed text to the sentence splitter; the first flush after some text ends the stream's segment."""
+    async def _forward_input(self, texts: asyncio.Queue[str | None]) -> None:
+        """Cut pushed text into what to speak (first phrase, sentences); the first flush after some text ends the
+        stream's segment."""
+        reply = ReplyText(self._first_phrase, self._sentence_tokenizer.tokenize)
         has_text = False
         async for data in self._pushed.replay():
             if data is None:  # a flush
                 if has_text:
                     break  # LiveKit drops text pushed after a segment's flush: nothing more can come
                 continue
-            sentences.push_text(data)
+            for text in reply.feed(data):
+                texts.put_nowait(text)
             has_text = True
-        sentences.end_input()
-
-
-class _SpokenTexts:
-    """What one stream speaks, in order: its first phrase if `rule` cuts one, then the sentence tokenizer's sentences.
-
-    The text is held back from the tokenizer until the first phrase is cut or a sentence ends first (then the
-    tokenizer gets it all, as without a rule). Fed by the stream's input task, read by its `_run`, one loop.
-    """
-
-    def __init__(self, sentences: tokenize.SentenceStream, rule: FirstPhrase | None):
-        self._sentences = sentences
-        self._splitter = None if rule is None else FirstPhraseSplitter(rule)
-        self._first: str | None = None
-        self._decided = asyncio.Event()  # whether a first phrase comes before the sentences is known
-        if self._splitter is None:
-            self._decided.set()
-
-    def push_text(self, text: str) -> None:
-        if self._splitter is None or self._splitter.decided:
-            self._sentences.push_text(text)
-            return
-        self._first, rest = self._splitter.feed(text)
-        if rest:
-            self._sentences.push_text(rest)
-        if self._splitter.decided:
-            self._decided.set()
-
-    def end_input(self) -> None:
-        if self._splitter is not None and (rest := self._splitter.finish()):
-            self._sentences.push_text(rest)
-        self._decided.set()
-        self._sentences.end_input()
-
-    async def spoken(self) -> AsyncIterator[str]:
-        """Each text to speak, as soon as it is known."""
-        await self._decided.wait()
-        if self._first:
-            yield self._first
-        async for sentence in self._sentences:
-            yield sentence.token
-
-    async def aclose(self) -> None:
-        await self._sentences.aclose()
-
-
-# ---------------------------------------------------------------------------------------------- worker set-up
-def prewarm_engine(engine: SpeechEngine | EngineConfig | None = None) -> SpeechEngine:
-    """Start loading an engine (a config's process-wide engine, or connecting a RemoteEngine); returns at once.
-
-    Call it from `setup_fnc`: loading a 3B model outlasts the worker's initialize timeout. A synthesis
-    made before loading ends waits for it, up to `conn_options.timeout` per attempt. A failed load is
-    logged by the engine and re-raised by every later synthesis.
-    """
-    engine = _engine_for(engine)
-    engine.prewarm()
-    return engine
-
-
-def remote_engine(url: str | Sequence[str]) -> SpeechEngine:
-    """This process's RemoteEngine for an `orpheus-tts serve` URL, or for several servers (a sequence or a
-    comma-separated string: each stream goes to the least-loaded); one connection per server, made at once."""
-    from .server.client import RemoteEngine
-
-    engine = RemoteEngine.shared(url)
-    engine.prewarm()
-    return engine
-
-
-def engine_load_fnc(
-    engine: SpeechEngine | EngineConfig | None = None, *, max_jobs: int | None = None
-) -> Callable[[AgentServer], float]:
-    """A worker `load_fnc`: the engine's stream load (fraction of `max_streams` in use), in [0, 1].
-
-    A call holds an engine stream only while it speaks, so give `max_jobs` (calls one worker can
-    serve) to report `active jobs / max_jobs` when that is higher. A failed or closed engine serves
-    nothing more, so the worker then reports itself full and LiveKit sends new calls elsewhere. For a
-    RemoteEngine the load is the server's own (1.0 while it cannot be reached; with several servers their
-    mean), so workers of the process executor report the shared engine servers' load.
-    """
-    engine = _engine_for(engine)
-    if max_jobs is not None and max_jobs < 1:
-        raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
-
-    def load(server: AgentServer) -> float:
-        if engine.health()["status"] in ("failed", "closed"):
-            return 1.0
-        jobs = len(server.active_jobs) / max_jobs if max_jobs else 0.0
-        return min(1.0, max(engine.load, jobs))
-
-    return load
-
-
-def server_options(
-    engine: SpeechEngine | EngineConfig | None = None,
-    *,
-    server_url: str | Sequence[str] | None = None,
-    load_threshold: float = 0.8,
-    max_jobs: int | None = None,
-) -> dict[str, Any]:
-    """`AgentServer(**server_options(...), ...)` keyword arguments for one engine shared by all jobs.
-
-    In-process (the default): the thread job executor, every job on this process's engine. With
-    `server_url` (an `orpheus-tts serve` on this machine or another, or several: a sequence or "URL,URL"):
-    LiveKit's default process executor, each job process reaching the servers through
-    `remote_engine(server_url)`, and the load reported to LiveKit is the servers' (their mean).
-    """
-    if server_url is not None:
-        if engine is not None:
-            raise ValueError("pass either engine or server_url, not both")
-        return {
-            "job_executor_type": JobExecutorType.PROCESS,
-            "load_fnc": engine_load_fnc(remote_engine(server_url), max_jobs=max_jobs),
-            "load_threshold": load_threshold,
-        }
-    return {
-        "job_executor_type": JobExecutorType.THREAD,
-        "load_fnc": engine_load_fnc(engine, max_jobs=max_jobs),
-        "load_threshold": load_threshold,
-    }
-
-
-# ---------------------------------------------------------------------------------------------- weights
-class OrpheusPlugin(Plugin):
-    """The LiveKit plugin entry: `download-files` fetches the weights of every engine config this process uses."""
-
-    def __init__(self) -> None:
-        try:
-            version = importlib.metadata.version("orpheus-tts-plugin")
-        except importlib.metadata.PackageNotFoundError:
-            version = "0.0.0"
-        super().__init__(__name__, version, "orpheus_tts_plugin", logger)
-
-    def download_files(self) -> None:
-        with _used_lock:
-            configs = list(_used_configs)
-        download_files(*configs)
-
-
-# LiveKit only accepts registrations from the main thread; an import from a job thread skips it.
-if threading.current_thread() is threading.main_thread():
-    Plugin.register_plugin(OrpheusPlugin())
+        for text in reply.finish():
+            texts.put_nowait(text)
+        texts.put_nowait(None)

@@ -1,49 +1,40 @@
 """Pipecat adapter: `OrpheusTTSService` speaks through an in-process `OrpheusEngine` shared by every call.
 
-Contracts with Pipecat 1.14's `TTSService` (services/tts_service.py), each kept in one place below, through
-Pipecat's public API only (tests/adapters/test_public_api.py); each workaround names what the API lacks:
+A translation of Pipecat 1.14's `TTSService` contract (services/tts_service.py) onto the reply room (reply.py),
+through Pipecat's public API only (tests/adapters/test_public_api.py); each workaround names what the API lacks.
+Its health (readiness, overload, failures: pipecat_health.py) and settings (pipecat_settings.py) are mixins of
+their own; speaking ahead of a confirmed turn is pipecat_turns.py's turn strategy and the frames it sends here.
 
-- Start-up: `start()` only begins the engine's load (`prewarm()`), so a load never runs inside
-  `PipelineWorker`'s start timeout (pipeline/worker.py, `start_timeout_secs`, 20 s by default); synthesis
-  waits for the load, `engine_ready` and the `on_engine_ready` event report it, and a failed load is
-  reported at once as a permanent error.
-- A failed request is reported as one `ErrorFrame` and its context is closed at once, with its turn
-  (`on_turn_context_completed`).
-- A context stays open while its request runs, so a first chunk later than `stop_frame_timeout_s`
-  never splits an utterance (`_keep_context_open`).
-- A context whose request failed with a reported error is not counted as a silent one (`push_error`,
-  `on_audio_context_completed`): overload is transient, never a dead service.
-- Overload: while the engine has no room for a new stream the service is not usable (`is_usable`, the one
-  thing `ServiceSwitcherStrategyFailover` reads), reported before an utterance is refused where the load shows
-  it (`_check_capacity`), and usable again on its own once the engine has room (`on_usable_changed`).
-- Word timestamps (`push_text_frames=False`, `add_word_timestamps`): each word is one `TTSTextFrame` with
-  a `pts`, estimated by `words.WordTimer` and placed on the context's playout timeline (`_Playout`), so
-  the output transport releases it as its audio plays and an interruption leaves the assistant message
-  holding the words spoken.
-- Speech from the first phrase (`first_phrase=`): the reply's text goes through `FirstPhraseTextAggregator`
-  (a `BaseTextAggregator`, also usable in Pipecat's `LLMTextProcessor`) and reaches the base as
-  `AggregatedTextFrame`s, the frames the base speaks as they come; its own sentence aggregator then sees none.
+- Start-up: `start()` only begins the engine's load (`prewarm()`), so a load never runs inside `PipelineWorker`'s
+  start timeout; synthesis waits for the load, `engine_ready` and `on_engine_ready` report it.
+- A context (one turn) is one reply: its texts spoken in order on one timeline, each word one `TTSTextFrame` with
+  a `pts` on the reply's playout (`push_text_frames=False`, `add_word_timestamps`), so an interruption leaves the
+  assistant message holding the words heard. A context stays open while its request runs (`_keep_context_open`).
+- Speaking ahead: after a `ReplyHoldFrame` the next reply's audio is held until a `ReplyReleaseFrame`; an
+  interruption (the caller went on) discards it, its engine streams aborted and nothing of it heard or kept.
+- Speech from the first phrase (`first_phrase=`): the reply's text goes through `FirstPhraseTextAggregator` (a
+  `BaseTextAggregator`) and reaches the base as `AggregatedTextFrame`s, the frames the base speaks as they come.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import dataclasses
 import inspect
 import logging
-import re
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
-from .config import SAMPLING_FIELDS, EngineConfig, SamplingOverrides
+from .config import SAMPLING_FIELDS, EngineConfig
 from .engine import OrpheusEngine
-from .errors import EngineError, EngineFailedError, EngineOverloadedError, Failure, failure_of, missing_extra
-from .first_phrase import FirstPhrase, FirstPhraseSplitter, min_words_of
-from .spec import SAMPLE_RATE, ModelSpec
-from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
-from .words import DEFAULT_WEIGHTS, Pace, Weights, WordTimer
+from .errors import EngineError, missing_extra
+from .first_phrase import FirstPhrase, min_words_of
+from .pipecat_health import ServiceHealth
+from .pipecat_settings import OrpheusTTSSettings, SettingsChecks, _language_of
+from .pipecat_turns import ReplyHoldFrame, ReplyReleaseFrame
+from .reply import ReplyDiscarded, ReplySpeech, ReplyText
+from .types import AudioChunk, SpeechEngine, SpeechOptions
+from .words import DEFAULT_WEIGHTS, Pace, Weights
 
 try:
     from pipecat.audio.utils import create_stream_resampler
@@ -62,168 +53,55 @@ try:
         TTSUpdateSettingsFrame,
     )
     from pipecat.processors.frame_processor import FrameDirection
-    from pipecat.services.settings import TTSSettings
     from pipecat.services.tts_service import TextAggregationMode, TTSService
-    from pipecat.transcriptions.language import Language
-    from pipecat.utils.errors import ErrorCategory
     from pipecat.utils.text.base_text_aggregator import Aggregation, BaseTextAggregator
 
     try:
         from pipecat.utils.text.base_text_aggregator import TextType
     except ImportError:  # pipecat-ai 1.12 names it AggregationType (TextType's deprecated alias in 1.14)
         from pipecat.utils.text.base_text_aggregator import AggregationType as TextType
-    from pipecat.utils.text.simple_text_aggregator import SimpleTextAggregator
     from pipecat.utils.tracing.service_decorators import traced_tts
-    from pipecat.utils.types import NOT_GIVEN, NotGiven, is_given
 except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
     raise missing_extra("pipecat", "the Pipecat adapter", exc) from exc
 
 
-# How each kind of failure is reported: (what the ErrorFrame says, Pipecat category, permanent). Permanent =
-# the service is written off (`is_usable` False; a ServiceSwitcher with ServiceSwitcherStrategyFailover moves
-# to the next service). An overload is never permanent, but leaves the service unusable until the engine has
-# room (`_overloaded`).
-_REPORTS: dict[Failure, tuple[str, ErrorCategory, bool]] = {
-    Failure.OVERLOADED: ("Orpheus engine overloaded", ErrorCategory.RATE_LIMIT, False),
-    Failure.ENGINE_FAILED: ("Orpheus engine failed", ErrorCategory.SERVER, True),
-    Failure.LOAD_FAILED: ("Orpheus engine failed to load", ErrorCategory.SERVER, True),
-    Failure.CLOSED: ("Orpheus engine closed", ErrorCategory.SERVER, True),
-    Failure.BAD_INPUT: ("cannot speak this text with these settings", ErrorCategory.APPLICATION, False),
-    Failure.ENGINE_DOWN: ("Orpheus synthesis failed", ErrorCategory.SERVER, True),
-    Failure.STREAM_FAILED: ("Orpheus synthesis failed", ErrorCategory.SERVER, False),
-    Failure.TIMEOUT: ("Orpheus synthesis failed", ErrorCategory.SERVER, False),
-    Failure.UNEXPECTED: ("Orpheus synthesis failed", ErrorCategory.SERVER, False),
-}
-_ENGINE_DOWN = ("failed", "closed")  # engine.health() statuses after which nothing more can be spoken
-ENGINE_READY = "on_engine_ready"  # this service's own event
-# The error TTSService._record_context_audio_outcome pushes for a context that completed with no audio.
-_SILENT_CONTEXT = re.compile(r"TTS context (?P<context_id>\S+) completed with no audio")
 # TTSService's default `stop_frame_timeout_s`, read from its signature (the base keeps the value private).
 _STOP_FRAME_TIMEOUT_S: float = inspect.signature(TTSService.__init__).parameters["stop_frame_timeout_s"].default
 
 logger = logging.getLogger(__name__)
 
 
-def _delta_field() -> Any:
-    """A settings field that is NOT_GIVEN unless set (Pipecat's delta convention)."""
-    return field(default_factory=lambda: NOT_GIVEN)
-
-
-def _language_of(spec: ModelSpec) -> Language | str:
-    """The settings' language for an engine's model family: its language (English if the family's is not known)."""
-    code = spec.language or "en"
-    try:
-        return Language(code)
-    except ValueError:
-        return code
-
-
-class _Playout:
-    """When each sample of a context's audio plays, in seconds after its first chunk: the words' timeline.
-
-    A chunk plays once it is delivered and once the audio before it has played, as a listener's buffer
-    plays it (the transport passes audio on as it comes). So when generation falls behind real time, the
-    gap delays every later word with the audio, and a word's `pts` stays where its audio is heard.
-    """
-
-    def __init__(self, sample_rate: int):
-        self._rate = sample_rate
-        self._t0: float | None = None
-        self._played = 0.0  # when the audio delivered so far has finished playing
-        self._samples = 0  # samples delivered so far, all the context's requests
-        self._starts: list[int] = []  # the first sample of each chunk
-        self._times: list[float] = []  # when that chunk starts playing
-
-    def deliver(self, now: float, num_samples: int) -> int:
-        """Note a chunk delivered at `now` (seconds, any clock); returns the context sample it begins at."""
-        if self._t0 is None:
-            self._t0 = now
-        start = max(now - self._t0, self._played)
-        self._starts.append(self._samples)
-        self._times.append(start)
-        self._played = start + num_samples / self._rate
-        self._samples += num_samples
-        return self._starts[-1]
-
-    def seconds_at(self, sample: int) -> float:
-        """When context sample `sample` (already delivered) plays, in seconds after the first chunk."""
-        i = max(bisect.bisect_right(self._starts, sample) - 1, 0)
-        return self._times[i] + (sample - self._starts[i]) / self._rate
-
-
 class FirstPhraseTextAggregator(BaseTextAggregator):
-    """Pipecat's sentence aggregation, but each reply's first phrase goes out at its first clause mark after
-    `FirstPhrase.min_words` words (first_phrase.py); the rest of the reply follows in sentences from `sentences`
-    (Pipecat's `SimpleTextAggregator` by default). A reply ends at `flush()` (Pipecat: the LLM response's end).
-    """
+    """Pipecat's text aggregator for speech from the first phrase: each reply's first phrase at its first clause mark
+    after `FirstPhrase.min_words` words, then its sentences (`reply.ReplyText`). A reply ends at `flush()`."""
 
-    def __init__(self, rule: FirstPhrase | int = 3, *, sentences: BaseTextAggregator | None = None, **kwargs: Any):
+    def __init__(self, rule: FirstPhrase | int = 3, **kwargs: Any):
         super().__init__(aggregation_type=TextType.SENTENCE, **kwargs)
         self._rule = cast(FirstPhrase, min_words_of(rule))
-        self._sentences = sentences or SimpleTextAggregator(language=self.language)
-        self._reply = FirstPhraseSplitter(self._rule)  # the current reply's; a new one at each reply's end
+        self._reply = ReplyText(self._rule)  # the current reply's; a new one at each reply's end
 
     @property
     def text(self) -> Aggregation:
-        """The text held: the reply's head not yet cut, then the sentence aggregator's."""
-        held = (self._reply.held + self._sentences.text.text).strip(" ")
-        return Aggregation(text=held, type=TextType.SENTENCE)
-
-    def set_language(self, language: str | None) -> None:
-        """Pipecat's, for the sentence aggregator too."""
-        super().set_language(language)
-        self._sentences.set_language(language)
+        return Aggregation(text=self._reply.held, type=TextType.SENTENCE)
 
     async def aggregate(self, text: str) -> AsyncGenerator[Aggregation, None]:
-        """The reply's first phrase once cut, then its sentences as the sentence aggregator completes them."""
-        phrase, rest = self._reply.feed(text)
-        if phrase:
-            yield Aggregation(text=phrase, type=TextType.SENTENCE)
-        if rest:
-            async for aggregation in self._sentences.aggregate(rest):
-                yield aggregation
+        for piece in self._reply.feed(text):
+            yield Aggregation(text=piece, type=TextType.SENTENCE)
 
     async def flush(self) -> Aggregation | None:
         """The reply's end: all the text still held, as one aggregation; the next text begins a new reply."""
-        rest, self._reply = self._reply.finish(), FirstPhraseSplitter(self._rule)
-        texts = [a.text async for a in self._sentences.aggregate(rest)] if rest else []
-        if (last := await self._sentences.flush()) is not None:
-            texts.append(last.text)
-        text = " ".join(t for t in texts if t.strip())
+        text = " ".join(self._reply.finish())
+        self._reply = ReplyText(self._rule)
         return Aggregation(text=text, type=TextType.SENTENCE) if text else None
 
     async def handle_interruption(self) -> None:
-        """Drop the interrupted reply's text; the next text begins a new reply."""
-        self._reply = FirstPhraseSplitter(self._rule)
-        await self._sentences.handle_interruption()
+        self._reply = ReplyText(self._rule)
 
     async def reset(self) -> None:
-        """Back to the start of a reply, holding nothing."""
-        self._reply = FirstPhraseSplitter(self._rule)
-        await self._sentences.reset()
+        self._reply = ReplyText(self._rule)
 
 
-@dataclass
-class OrpheusTTSSettings(TTSSettings):
-    """Pipecat TTS settings (model, voice, language) plus the Orpheus sampling overrides and LoRA adapter,
-    runtime-updatable.
-
-    One field per `SamplingOverrides` field, None meaning the engine's default (tests check the two agree);
-    `adapter`: one of the engine's `EngineConfig.adapters`, None: the voice's own (a fine-tuned voice's), if any.
-    `speed`: as OpenAI's (and Pipecat's `OpenAITTSService`'s) setting, 0.25 to 4.0.
-    """
-
-    adapter: str | None | NotGiven = _delta_field()
-    speed: float | None | NotGiven = _delta_field()  # 0.25 to 4.0, the audio stretched with its pitch kept; None: 1.0
-
-    temperature: float | None | NotGiven = _delta_field()
-    top_p: float | None | NotGiven = _delta_field()
-    repetition_penalty: float | None | NotGiven = _delta_field()
-    max_tokens: int | None | NotGiven = _delta_field()
-    seed: int | None | NotGiven = _delta_field()
-
-
-class OrpheusTTSService(TTSService):
+class OrpheusTTSService(ServiceHealth, SettingsChecks, TTSService):
     """Pipecat TTS service on a shared OrpheusEngine: one service per call, one engine per process.
 
     Pass `engine=` to share an engine you manage, or `engine_config=` (or nothing) to use the
@@ -282,8 +160,8 @@ class OrpheusTTSService(TTSService):
         self._ready_handlers: list[Callable[..., Any]] = []  # on_engine_ready's
         self._keepalive_s = kwargs.get("stop_frame_timeout_s", _STOP_FRAME_TIMEOUT_S) / 2
         super().__init__(push_start_frame=True, push_stop_frames=True, push_text_frames=False, settings=store, **kwargs)
-        self._streams: dict[str, Speech] = {}
-        self._playouts: dict[str, _Playout] = {}  # per audio context: where its words play
+        self._replies: dict[str, ReplySpeech] = {}  # per audio context (one per turn): its speech, held or not
+        self._holding = False  # a reply begun now is held until its turn is confirmed (ReplyHoldFrame)
         self._pace = Pace(word_weights)  # this call's speaking rate, learnt sentence by sentence
         # Contexts given to the engine (run_tts ran for them) -> whether one of their requests failed, reported.
         self._asked_contexts: dict[str, bool] = {}
@@ -317,33 +195,6 @@ class OrpheusTTSService(TTSService):
         """TTFB, TTFA and usage metrics are reported."""
         return True
 
-    # ---------------------------------------------------------------- events
-    # Pipecat has no public way for a service to declare an event of its own (BaseObject._register_event_handler
-    # and _call_event_handler, utils/base_object.py), so `on_engine_ready` keeps its handlers here.
-    def add_event_handler(self, event_name: str, handler: Callable[..., Any]) -> None:
-        """Pipecat's, plus `on_engine_ready`."""
-        if event_name == ENGINE_READY:
-            self._ready_handlers.append(handler)
-        else:
-            super().add_event_handler(event_name, handler)
-
-    def remove_event_handler(self, event_name: str, handler: Callable[..., Any]) -> None:
-        """Pipecat's, plus `on_engine_ready`."""
-        if event_name == ENGINE_READY:
-            self._ready_handlers = [h for h in self._ready_handlers if h is not handler]
-        else:
-            super().remove_event_handler(event_name, handler)
-
-    async def _engine_ready(self) -> None:
-        """Call each `on_engine_ready` handler (sync or async) with this service; one that raises is logged."""
-        for handler in list(self._ready_handlers):
-            try:
-                result = handler(self)
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:  # a handler's bug must not stop the others, as in Pipecat's own events
-                logger.exception("%s: on_engine_ready handler failed", self)
-
     # ---------------------------------------------------------------- lifecycle
     async def start(self, frame: StartFrame) -> None:
         """Begin loading the engine and return: the load never counts against the pipeline's start timeout."""
@@ -374,40 +225,6 @@ class OrpheusTTSService(TTSService):
         await self._stop_background()
         await self._close_all_streams()
 
-    async def _watch_engine_start(self) -> None:
-        """Report the end of the engine's load: `on_engine_ready`, or at once a permanent error if it failed."""
-        try:
-            await self._engine.start()
-            health = self._engine.health()
-            if health["status"] == "failed":  # loaded once, failed since: start() itself succeeds
-                raise EngineFailedError(f"engine failed: {health['reason']}")
-        except Exception as exc:  # noqa: BLE001 - whatever the load raised, the service cannot speak
-            await self._report_failure(exc)
-            return
-        await self._engine_ready()
-
-    async def _watch_capacity(self) -> None:
-        """Check the engine's room every `capacity_poll_s` while the service runs (a property read: no I/O)."""
-        while True:
-            await self._check_capacity()
-            await asyncio.sleep(self._capacity_poll_s)
-
-    async def _check_capacity(self) -> None:
-        """Usable again once an overloaded engine has room; unusable as soon as a serving engine has none.
-
-        `engine.load` is the share of `max_streams` in use, so a full engine is reported before it refuses an
-        utterance, and a ServiceSwitcher moves the next one to the backup. A service speaking now is left
-        alone: its next sentence takes the slot its current one frees. A request queued past
-        `queue_timeout_s` behind a full batch does not show in the load: that overload is only seen when a
-        request fails, and the service is usable again at the next check.
-        """
-        full = self._engine.load >= 1
-        if self._overloaded and not full:
-            self._overloaded = False
-            await self.set_usable(True)  # Pipecat's on_usable_changed(service, True): the app may switch back
-        elif full and not self._overloaded and self.is_usable and not self._streams and self._engine.ready:
-            await self._report_failure(EngineOverloadedError("engine at capacity: no room for a new stream"))
-
     async def _keep_context_open(self) -> None:
         """Restart the base's quiet-context timer every half `stop_frame_timeout_s` while a request runs.
 
@@ -427,63 +244,6 @@ class OrpheusTTSService(TTSService):
         for task in tasks:
             await self.cancel_task(task)
 
-    # ---------------------------------------------------------------- settings
-    def _validate(self, settings: OrpheusTTSSettings) -> None:
-        """Raise ValueError/TypeError if the engine would reject these settings."""
-        if settings.model != self._engine.config.model:
-            raise ValueError(
-                f"model {settings.model!r} differs from the engine's {self._engine.config.model!r}; "
-                "the model is fixed per engine"
-            )
-        if isinstance(settings.language, str):  # None (no language) and NOT_GIVEN are not checked
-            self._engine.spec.check_language(settings.language)
-        self._options(settings)
-
-    def _with_language_voice(self, delta: TTSSettings, current: TTSSettings) -> TTSSettings:
-        """`delta`, plus the voice for its language when it sets a language and no voice.
-
-        That voice is the current one if it speaks the language, else the language's default voice
-        (`ModelSpec.voice_for_language`); a language the engine's model family does not speak is a ValueError.
-        """
-        if not isinstance(delta.language, str) or is_given(delta.voice):
-            return delta
-        current_voice = current.voice if isinstance(current.voice, str) else None
-        voice = self._engine.spec.voice_for_language(delta.language, current_voice)
-        if voice == current_voice:
-            return delta
-        return dataclasses.replace(delta, voice=voice)
-
-    def _options(self, settings: OrpheusTTSSettings) -> SpeechOptions:
-        """The engine's checked options for `settings`: checked once each time they change, then passed as they are."""
-        key = (settings.voice, self._sampling(settings), settings.adapter, settings.speed)
-        if self._checked is None or self._checked[0] != key:
-            self._checked = (key, self._engine.check_options(key[0], key[1], adapter=key[2], speed=key[3]))
-        return self._checked[1]
-
-    @staticmethod
-    def _sampling(settings: OrpheusTTSSettings) -> SamplingOverrides:
-        """The sampling fields as engine overrides (None means the engine's default)."""
-        return SamplingOverrides(**{name: getattr(settings, name) for name in SAMPLING_FIELDS})
-
-    # Pipecat applies every settings update in the private TTSService._update_settings (services/tts_service.py);
-    # its public entry points are checked here instead: TTSUpdateSettingsFrame, set_model, set_voice.
-    async def _accepts(self, delta: TTSSettings) -> TTSSettings | None:
-        """`delta` with the voice its language picks (see `_with_language_voice`) if the engine accepts the settings
-        with it applied; otherwise push an error and say None."""
-        try:
-            delta = self._with_language_voice(delta, self.settings)
-            candidate = self.settings.copy()
-            candidate.apply_update(delta)
-            self._validate(candidate)
-        except (ValueError, TypeError) as exc:
-            await self.push_error(
-                f"{self}: settings update rejected, keeping the current settings: {exc}",
-                exception=exc,
-                category=ErrorCategory.APPLICATION,
-            )
-            return None
-        return delta
-
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         """Drop a settings update for this service that the engine would reject (with an error); else the base's,
         with the voice a language change picks added to the update (a new frame: the caller's is left as it is)."""
@@ -494,6 +254,11 @@ class OrpheusTTSService(TTSService):
                 return
             if delta is not given:
                 frame = dataclasses.replace(frame, delta=delta, settings={})
+        if isinstance(frame, (ReplyHoldFrame, ReplyReleaseFrame, InterruptionFrame)):
+            self._holding = isinstance(frame, ReplyHoldFrame)
+            if isinstance(frame, ReplyReleaseFrame):
+                for reply in self._replies.values():
+                    reply.release()
         if self._first_phrase_text is not None and await self._first_phrase_aggregates(frame, direction):
             return
         await super().process_frame(frame, direction)
@@ -524,16 +289,6 @@ class OrpheusTTSService(TTSService):
         frame = AggregatedTextFrame(aggregation.text, aggregation.type, raw_text=aggregation.text)
         await super().process_frame(frame, direction)
 
-    async def set_model(self, model: str) -> None:
-        """Pipecat's (deprecated), if the engine accepts the model."""
-        if await self._accepts(self.Settings(model=model)) is not None:
-            await super().set_model(model)
-
-    async def set_voice(self, voice: str) -> None:
-        """Pipecat's (deprecated), if the engine accepts the voice."""
-        if await self._accepts(self.Settings(voice=voice)) is not None:
-            await super().set_voice(voice)
-
     # ---------------------------------------------------------------- synthesis
     @traced_tts
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame | None, None]:
@@ -544,40 +299,41 @@ class OrpheusTTSService(TTSService):
         the engine's load if it is still running. A failure is reported at once, and the context is then
         closed with the turn (see `on_turn_context_completed`).
         """
-        settings = self.settings
         self._asked_contexts.setdefault(context_id, False)
         self._last_run_yielded_audio = False
         try:
-            options = self._options(settings)
-            stream = self._engine.synthesize(text, options=options)
+            reply = self._reply_for(context_id, self._options(self.settings))
         except (ValueError, TypeError) as exc:
             await self._report_failure(exc, context_id)
             return
-        self._streams[context_id] = stream
-        words = WordTimer(stream.sentences, self._pace, speed=options.speed)
-        playout = self._playouts.setdefault(context_id, _Playout(SAMPLE_RATE))
         await self.start_tts_usage_metrics(text)
         await self._pcm_resampler.reset()
         keepalive = self.create_task(self._keep_context_open(), name="context_keepalive")
         try:
-            offset = None
-            async for chunk in stream:
-                audio = await self._to_output_rate(chunk)
+            async for spoken in reply.speak(text):
+                audio = await self._to_output_rate(spoken.chunk)
                 if audio:
                     self._last_run_yielded_audio = True
                     yield TTSAudioRawFrame(audio, self.sample_rate, 1, context_id=context_id)
-                at = playout.deliver(self.get_clock().get_time() / 1e9, chunk.num_samples)
-                offset = at - chunk.start_sample if offset is None else offset
-                timed = [(w.text, playout.seconds_at(offset + w.start)) for w in words.feed(chunk)]
-                if timed:
+                if timed := [(w.text, reply.playout.seconds_at(w.start)) for w in spoken.words]:
                     await self.add_word_timestamps(timed, context_id)
+        except ReplyDiscarded:
+            pass  # the caller went on: nothing of this reply is heard
         except Exception as exc:  # noqa: BLE001 - mapped in _report_failure; a start failure is not an EngineError
             await self._report_failure(exc, context_id)
         finally:
             await self.cancel_task(keepalive)
-            if self._streams.get(context_id) is stream:
-                del self._streams[context_id]
-            await stream.aclose()
+
+    def _reply_for(self, context_id: str, options: SpeechOptions) -> ReplySpeech:
+        """The context's reply (a new one held while a turn awaits confirmation), speaking with `options` from now."""
+        reply = self._replies.get(context_id)
+        if reply is None:
+            clock = self.get_clock()
+            held, seconds = self._holding, lambda: clock.get_time() / 1e9
+            reply = ReplySpeech(self._engine, options, self._pace, held=held, clock=seconds)
+            self._replies[context_id] = reply
+        reply.options = options
+        return reply
 
     async def _to_output_rate(self, chunk: AudioChunk) -> bytes:
         """Resample 24 kHz engine audio to the pipeline's rate, flushing the filter at the utterance's end."""
@@ -588,73 +344,16 @@ class OrpheusTTSService(TTSService):
             audio += await self._pcm_resampler.flush()
         return audio
 
-    # ---------------------------------------------------------------- failures
-    def _classify(self, exc: Exception) -> tuple[str, ErrorCategory, bool]:
-        """What a failure means to Pipecat: the ErrorFrame's message, its category, and whether it is permanent."""
-        return _REPORTS[failure_of(exc, serving=self._engine.health()["status"] not in _ENGINE_DOWN)]
-
-    async def _report_failure(self, exc: Exception, context_id: str | None = None) -> None:
-        """Push one ErrorFrame for `exc` (by `_REPORTS`); its context is not a silent one.
-
-        A permanent failure writes the service off; an overload makes it unusable until the engine has room
-        (`_check_capacity` brings it back). Either way `is_usable` is False before the frame travels, which is
-        when a ServiceSwitcher's failover strategy reads it.
-        """
-        what, category, permanent = self._classify(exc)
-        overloaded = self._unusable_while_overloaded and isinstance(exc, EngineOverloadedError)
-        if overloaded:
-            self._overloaded = True
-        elif permanent:
-            self._overloaded = False  # written off: room in the engine does not bring it back
-        if context_id is not None:
-            self._asked_contexts[context_id] = True
-        await self.cancel_ttfb_metrics()
-        await self.push_error(
-            f"{self}: {what}: {exc}",
-            exception=exc,
-            category=category,
-            force_treat_as_permanent=permanent or overloaded,
-        )
-        await self._restart_silence_count()
-
-    # The base's write-off rule (`max_consecutive_zero_audio_contexts`, 3 by default: after that many completed
-    # contexts in a row with no audio it pushes a permanent error and the service is no longer given work) is
-    # for "a provider that accepts requests and stays silent", whose silence no error surfaces (TTSService.__init__,
-    # _record_context_audio_outcome). A request whose failure was reported is no such silence: its own category
-    # says whether it is permanent, and counting it would turn three transient overloads into a written-off
-    # service. Nor is a context the base never gave to run_tts (it skips a service that is not usable, which may
-    # be usable again when the context completes). Contexts the engine was asked to speak that stayed silent
-    # without an error are still counted, so the rule keeps catching a wedged engine.
-    # Pipecat has no public hook on that count (TTSService._record_context_audio_outcome, services/tts_service.py)
-    # and its only public reset is set_usable(True); so the count restarts at each reported failure and after
-    # such a context completes, and the per-context "no audio" error pushed for one is dropped (`push_error`).
-    def _no_evidence(self, context_id: str) -> bool:
-        """True if the context's silence says nothing about the engine: never asked to speak it, or it failed."""
-        return self._asked_contexts.get(context_id, True)
-
-    async def _restart_silence_count(self) -> None:
-        """Restart the base's count of silent contexts (a no-op for `is_usable` and `on_usable_changed`)."""
-        if self.is_usable:
-            await self.set_usable(True)  # TTSService.set_usable zeroes the count; the flag is unchanged
-
-    async def push_error(self, error_msg: str, *args: Any, **kwargs: Any) -> None:
-        """Pipecat's, less the base's "completed with no audio" error for a context whose silence is no evidence."""
-        silent = _SILENT_CONTEXT.fullmatch(error_msg)
-        if silent and self._no_evidence(silent["context_id"]):
-            return
-        await super().push_error(error_msg, *args, **kwargs)
-
     # ---------------------------------------------------------------- interruption
     async def on_audio_context_interrupted(self, context_id: str) -> None:
-        """Barge-in: abort the engine request still generating this context's audio."""
+        """Barge-in: discard the context's reply (its engine requests aborted, held audio dropped)."""
         self._asked_contexts.pop(context_id, None)
-        self._playouts.pop(context_id, None)
-        await self._close_stream(context_id)
+        await self._discard(context_id)
 
     async def on_audio_context_completed(self, context_id: str) -> None:
         """The context's audio is all out: forget its timeline, and take it out of the silence count if it says
         nothing about the engine (the base restarts word timing with the next)."""
-        self._playouts.pop(context_id, None)
+        self._replies.pop(context_id, None)
         if self._no_evidence(context_id):
             await self._restart_silence_count()
         self._asked_contexts.pop(context_id, None)
@@ -680,13 +379,11 @@ class OrpheusTTSService(TTSService):
             await self.append_to_audio_context(context_id, TTSStoppedFrame(context_id=context_id))
             await self.remove_audio_context(context_id)
 
-    async def _close_stream(self, context_id: str) -> None:
-        stream = self._streams.pop(context_id, None)
-        if stream is not None:
-            await stream.aclose()
+    async def _discard(self, context_id: str) -> None:
+        if (reply := self._replies.pop(context_id, None)) is not None:
+            await reply.discard()
 
     async def _close_all_streams(self) -> None:
-        for context_id in list(self._streams):
-            await self._close_stream(context_id)
+        for context_id in list(self._replies):
+            await self._discard(context_id)
         self._asked_contexts.clear()
-        self._playouts.clear()

@@ -59,6 +59,11 @@ def split_sentences(text: str, max_chars: int = 300) -> list[str]:
     return [m for m in _merge(pieces, max_chars) if m]
 
 
+def sentences(text: str) -> list[str]:
+    """`text` normalised and cut after each sentence end, without merging or splitting: a streamed reply's sentences."""
+    return _sentences(normalize(text))
+
+
 def _sentences(text: str) -> list[str]:
     """`text` cut after each sentence end (marks and closers kept with their sentence), each piece stripped."""
     out: list[str] = []

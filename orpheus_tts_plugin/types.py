@@ -6,12 +6,14 @@ the server, so it imports nothing of them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .config import SamplingOverrides, SamplingParams, check_speed
 from .spec import SAMPLE_RATE, ModelSpec
+from .speculation import Speculation
 
 
 @dataclass(frozen=True)
@@ -136,14 +138,46 @@ class Speech:
     them. `usage` counts its tokens (None where the engine cannot: a RemoteEngine's server keeps them).
     Iterate it, or leave early with `aclose()` (which aborts the generation within one engine step).
     Like the async generator it replaced, it takes weak references (`__weakref__`).
+
+    A speculative one (`synthesize(..., speculative=True)`: a reply spoken while the caller's turn is still being
+    confirmed) is settled once: `confirm()` when its audio will be played, while it generates or after; closed,
+    cancelled, left early or garbage-collected before that, it counts as discarded (the engine's `stats()`).
     """
 
-    __slots__ = ("_chunks", "sentences", "usage", "__weakref__")
+    __slots__ = ("_chunks", "_on_drop", "_speculation", "sentences", "usage", "__weakref__")
 
-    def __init__(self, sentences: Sequence[str], chunks: AsyncGenerator[AudioChunk, None], usage: Usage | None = None):
+    def __init__(
+        self,
+        sentences: Sequence[str],
+        chunks: AsyncGenerator[AudioChunk, None],
+        speculation: Speculation | None = None,
+        usage: Usage | None = None,
+    ):
         self.sentences: tuple[str, ...] = tuple(sentences)
         self.usage = usage
         self._chunks = chunks
+        self._speculation = speculation
+        # Dropped unsettled, it was discarded; the finalizer only queues that (no lock taken in a collection).
+        self._on_drop = None if speculation is None else weakref.finalize(self, speculation.dropped)
+
+    @property
+    def speculative(self) -> bool:
+        return self._speculation is not None
+
+    def confirm(self) -> None:
+        """The speculation is confirmed: its audio will be played. Idempotent; a no-op for a non-speculative
+        Speech or one already discarded."""
+        if self._speculation is not None:
+            self._speculation.confirm()
+            self._on_drop.detach()
+
+    def take_speculation(self) -> Speculation | None:
+        """Hand the settling of its speculation to the caller (a server, until its client confirms or discards):
+        closing or dropping this Speech after it no longer discards it; ending early still does."""
+        if self._on_drop is not None:
+            self._on_drop.detach()
+        speculation, self._speculation = self._speculation, None
+        return speculation
 
     def __aiter__(self) -> AsyncIterator[AudioChunk]:
         return self
@@ -152,7 +186,12 @@ class Speech:
         return await self._chunks.__anext__()
 
     async def aclose(self) -> None:
-        await self._chunks.aclose()
+        try:
+            await self._chunks.aclose()
+        finally:
+            if self._speculation is not None:
+                self._speculation.discard()
+                self._on_drop.detach()
 
     async def athrow(self, *args: Any) -> AudioChunk:
         return await self._chunks.athrow(*args)
@@ -175,6 +214,7 @@ class SpeechEngine(Protocol):
         sampling: SamplingOverrides | None = None,
         options: SpeechOptions | None = None,
         adapter: str | None = None,
+        speculative: bool = False,
         **overrides: Any,
     ) -> Speech: ...
 

@@ -148,13 +148,26 @@ def _hub_reachable(endpoint: str, timeout_s: float = 3.0) -> bool:
 
 
 def download_files(*configs: EngineConfig) -> None:
-    """Fetch the weights of `configs` (default: the default config) into the Hugging Face cache."""
+    """Fetch the weights of `configs` (default: the default config) into the Hugging Face cache; ModelLoadError in
+    one line with the remedy when the hub cannot be reached or a repo is gated."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError
 
     for config in configs or (EngineConfig(),):
         for repo in hub_repos(config):
             logger.info("downloading %s", repo)
-            snapshot_download(repo, allow_patterns=HUB_FILES)
+            try:
+                snapshot_download(repo, allow_patterns=HUB_FILES)
+            except LocalEntryNotFoundError:  # offline, or no route to the hub: not fetched, not in the cache
+                raise ModelLoadError(
+                    f"cannot fetch {repo!r}: the Hugging Face hub cannot be reached (or HF_HUB_OFFLINE is set). "
+                    "Run this where there is network, or test without weights: `orpheus-tts make-test-model DIR "
+                    "--snac tiny` writes random-weight checkpoints to DIR/orpheus and DIR/snac"
+                ) from None
+            except GatedRepoError:
+                raise ModelLoadError(
+                    f"cannot fetch {repo!r}: it is gated; accept its licence on huggingface.co and set HF_TOKEN"
+                ) from None
 
 
 def download_main(args: argparse.Namespace) -> int:

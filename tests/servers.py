@@ -1,5 +1,6 @@
-"""Real servers for tests, on loopback: a server subprocess that is up once GET url/health is 200,
-`orpheus-tts serve` subprocesses (up once GET /ready is 200), and polling for an event with a deadline.
+"""Real servers for tests, on loopback: a server subprocess that is up once GET url/health is 200, `transformers
+serve` with a local model, `orpheus-tts serve` subprocesses (up once GET /ready is 200), and polling for an event
+with a deadline.
 
 Shared by tests/ and tests_vllm/ (the vLLM venv), so it imports only the standard library, pytest and the
 package's loopback probes (orpheus_tts_plugin/tools/loopback.py; the tests take free_port from there).
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from orpheus_tts_plugin.tools.loopback import http_status
+from orpheus_tts_plugin.tools.loopback import free_port, http_status
+
+TRANSFORMERS_SERVE_START_S = 120  # loading the test model and its tokenizer on a busy 2-core host
 
 
 @contextlib.contextmanager
@@ -44,6 +47,25 @@ def run_server(
         yield proc
     finally:
         _stop_group(proc)
+
+
+@contextlib.contextmanager
+def transformers_serve(model_dir: Path, log_path: Path) -> Iterator[str]:
+    """`transformers serve` with the model in `model_dir` on CPU on a free loopback port, offline; its base URL
+    (the OpenAI API under /v1, the model's id is `str(model_dir)`). Its log has a line per request with the
+    generation settings."""
+    pytest.importorskip("fastapi", reason="needs transformers[serving]")
+    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1"}
+    env.setdefault("OMP_NUM_THREADS", "1")  # the test model's ops are too small to split; idle threads spin
+    cmd = [
+        sys.executable, "-m", "transformers.cli.transformers", "serve", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--enable-log-requests",
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with run_server(cmd, log_path, url, start_s=TRANSFORMERS_SERVE_START_S, env=env):
+        yield url
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

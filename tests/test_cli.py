@@ -269,3 +269,40 @@ def test_an_adapter_without_its_framework_says_which_extra_to_install(module: st
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert out.count("\n") == 1 and f"pip install 'orpheus-tts-plugin[{extra}]'" in out
+
+
+# ---------------------------------------------------------------- the CLI explains itself
+
+
+def test_every_flag_and_argument_of_every_subcommand_has_a_help_text_and_its_default_shown() -> None:
+    import argparse
+
+    from orpheus_tts_plugin.cli import HelpFormatter, _subparsers, build_parser
+
+    root = build_parser()
+    parsers = [root, *_subparsers(root)]
+    assert len(parsers) > 15  # the walk reached the nested ones (bench engine, …)
+    silent = [
+        f"{parser.prog} {'/'.join(action.option_strings) or action.dest}"
+        for parser in parsers
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction) and not action.help
+    ]
+    assert silent == []
+    assert {parser.formatter_class for parser in parsers} == {HelpFormatter}
+    serve_help = next(p for p in parsers if p.prog == "orpheus-tts serve").format_help()
+    assert "characters of text per request (default: 4096)" in " ".join(serve_help.split())
+
+
+def test_version_is_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    from orpheus_tts_plugin import __version__
+    from orpheus_tts_plugin.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"orpheus-tts {__version__}\n"
+
+
+def test_download_offline_is_one_line_pointing_to_make_test_model(offline: dict[str, str]) -> None:
+    line = _one_line("download", env=offline)
+    assert "cannot fetch 'canopylabs/orpheus-3b-0.1-ft'" in line and "orpheus-tts make-test-model DIR" in line

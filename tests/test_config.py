@@ -25,6 +25,7 @@ def test_by_default_every_admitted_stream_has_a_batch_row() -> None:
         ({"decode_ahead_s": float("nan")}, ValueError, "decode_ahead_s"),
         ({"noise_seed": 2**63}, ValueError, r"noise_seed must be an int in \[0, "),
         ({"sentence_max_chars": 19}, ValueError, "sentence_max_chars"),
+        ({"max_text_chars": 0}, ValueError, "max_text_chars must be an int >= 1, got 0"),
         ({"sampling": SamplingParams(top_p=0.0)}, ValueError, r"top_p must be in \(0, 1\]"),
     ],
     ids=str,
@@ -55,3 +56,14 @@ def test_sampling_overrides_change_only_the_fields_given_and_the_result_is_check
 def test_an_unknown_sampling_override_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(TypeError, match="unknown sampling option.* stop; known: temperature, top_p"):
         SamplingOverrides.of(stop=3)
+
+
+def test_the_engine_text_limit_is_serves_and_serve_gives_its_engine_the_limit_it_enforces() -> None:
+    from orpheus_tts_plugin.cli import build_parser
+    from orpheus_tts_plugin.server.policy import Policy
+    from orpheus_tts_plugin.server.serve import engine_config, policy
+
+    args = build_parser().parse_args(["serve"])
+    assert EngineConfig().max_text_chars == Policy().max_chars == args.max_chars == 4096
+    args = build_parser().parse_args(["serve", "--max-chars", "10000"])
+    assert engine_config(args).max_text_chars == policy(args).max_chars == 10000

@@ -87,7 +87,7 @@ def _check_bash(block: Block) -> None:
                 build_parser().parse_args(words[1:])
             except SystemExit as exc:
                 pytest.fail(f"{block.id}: `{command}` does not parse (exit {exc.code})")
-        for extra in re.findall(r"orpheus-tts-plugin\[([\w,-]+)\]", command):
+        for extra in re.findall(r"(?:orpheus-tts-plugin|\.)\[([\w,-]+)\]", command):  # from the index or a clone
             assert set(extra.split(",")) <= EXTRAS, f"{block.id}: no extra {extra!r} in pyproject.toml"
         for i, word in enumerate(words[:-1]):
             if word == "-m" and words[i + 1].split(".")[0] in ("orpheus_tts_plugin", "examples", "tests"):

@@ -108,6 +108,28 @@ def test_unknown_voice_raises_naming_the_valid_voices(engine: OrpheusEngine) -> 
         engine.synthesize("Hi", top_p=0.0)
 
 
+def test_a_text_over_the_engine_limit_is_refused_at_once_naming_the_limit(engine: OrpheusEngine) -> None:
+    started = engine.stats()["streams_started"]
+    limit = engine.config.max_text_chars
+    with pytest.raises(ValueError, match=f"text of {limit + 1} characters is over the engine's limit of {limit} "):
+        engine.synthesize("x" * (limit + 1))
+    assert engine.stats()["streams_started"] == started  # refused before anything started
+
+
+async def test_a_text_at_the_limit_is_spoken_and_none_lifts_the_limit(speed: EngineConfig) -> None:
+    text = "Hello there, how are you? " * 4  # 104 characters
+    short = replace(speed, synthetic=replace(speed.synthetic, frames_per_prompt_token=0.0))  # min_frames a sentence
+    at_limit = OrpheusEngine(replace(short, max_text_chars=len(text)))
+    unlimited = OrpheusEngine(replace(short, max_text_chars=None))
+    try:
+        assert _pcm(await _collect(at_limit, text)).size > 0
+        with pytest.raises(ValueError, match="limit of 104"):
+            at_limit.synthesize(text + "!")
+        assert _pcm(await _collect(unlimited, text * 40)).size > 0  # 4,160: over the default
+    finally:
+        await asyncio.gather(at_limit.aclose(), unlimited.aclose())
+
+
 class _Recording(SyntheticBackend):
     def __init__(self) -> None:
         super().__init__()

@@ -40,6 +40,6 @@ def test_both_adapters_map_every_kind_of_failure() -> None:
     pytest.importorskip("pipecat")
     pytest.importorskip("livekit.agents")
     from orpheus_tts_plugin.livekit import _API_ERRORS
-    from orpheus_tts_plugin.pipecat import _REPORTS
+    from orpheus_tts_plugin.pipecat_health import _REPORTS
 
     assert set(_REPORTS) == set(Failure) == set(_API_ERRORS)

@@ -27,6 +27,8 @@ from pipecat.turns.user_stop import (
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from pipecat.workers.runner import WorkerRunner
 
+from orpheus_tts_plugin.pipecat_turns import SpeakAheadUserTurnStopStrategy
+
 from .config import TurnTaking
 from .failures import EndOnStageFailure, MuteWhileEnding
 from .latency import TurnMoments, call_markers
@@ -54,12 +56,15 @@ async def read_twilio_start(websocket: WebSocket) -> TwilioCall:
 
 
 def turn_stop_strategy(turns: TurnTaking) -> BaseUserTurnStopStrategy:
-    """What ends the caller's turn: a pause of `user_speech_timeout` after the VAD stop, or the smart-turn model."""
+    """What ends the caller's turn: a pause of `user_speech_timeout` after the VAD stop, or the smart-turn model;
+    with `speak_ahead`, the turn ends at the VAD stop and that verdict releases the reply's held audio."""
     if turns.stop == "smart":
         from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 
-        return TurnAnalyzerUserTurnStopStrategy(turn_analyzer=LocalSmartTurnAnalyzerV3())
-    return SpeechTimeoutUserTurnStopStrategy(user_speech_timeout=turns.user_speech_timeout)
+        confirm: BaseUserTurnStopStrategy = TurnAnalyzerUserTurnStopStrategy(turn_analyzer=LocalSmartTurnAnalyzerV3())
+    else:
+        confirm = SpeechTimeoutUserTurnStopStrategy(user_speech_timeout=turns.user_speech_timeout)
+    return SpeakAheadUserTurnStopStrategy(confirm) if turns.speak_ahead else confirm
 
 
 def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResources) -> PipelineWorker:

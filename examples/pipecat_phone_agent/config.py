@@ -24,6 +24,9 @@ class TurnTaking:
     vad_start_secs: float = 0.1  # speech this long starts a turn (and interrupts the agent)
     vad_stop_secs: float = 0.2  # silence this long is the end of speech for Silero VAD
     stop: str = "timeout"  # timeout: the turn ends user_speech_timeout after the VAD stop | smart: smart-turn v3
+    # Speak ahead: the reply starts at the VAD stop with its audio held, released when `stop` confirms the turn,
+    # discarded if the caller goes on (orpheus_tts_plugin.pipecat_turns)
+    speak_ahead: bool = True
     user_speech_timeout: float = 0.6  # (timeout) how long the caller may pause and go on before the turn ends
     turn_stop_timeout: float = 5.0  # a turn whose transcript is this late ends without it (Pipecat's default)
 
@@ -35,7 +38,7 @@ class AgentConfig:
     host: str = "127.0.0.1"
     port: int = 8765
     public_url: str | None = None  # wss://…/ws that Twilio should connect to; default: from the request's Host
-    stt: str = "pocketsphinx"  # pocketsphinx (offline) | whisper (Pipecat's faster-whisper service)
+    stt: str = "pocketsphinx"  # pocketsphinx (offline) | whisper (faster-whisper, one model a process)
     stt_workers: int = 2  # pocketsphinx decoder processes
     stt_p99_s: float = 3.0  # (pocketsphinx) how late after the speech end a final transcript may come: the turn waits
     cpus: frozenset[int] | None = None  # run the agent's process on these CPUs only
@@ -109,7 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("turn taking")
     t.add_argument("--vad-start-secs", type=float, default=d.turns.vad_start_secs)
     t.add_argument("--vad-stop-secs", type=float, default=d.turns.vad_stop_secs)
-    t.add_argument("--turn-stop", choices=("timeout", "smart"), default=d.turns.stop)
+    t.add_argument(
+        "--turn-stop", choices=("timeout", "smart"), default=d.turns.stop,
+        help="what confirms the turn: a pause of --user-speech-timeout after the VAD stop, or smart-turn v3",
+    )  # fmt: skip
+    t.add_argument(
+        "--speak-ahead", action=argparse.BooleanOptionalAction, default=d.turns.speak_ahead,
+        help="start each reply at the VAD stop, held until the turn is confirmed, dropped if the caller resumes",
+    )  # fmt: skip
     t.add_argument("--user-speech-timeout", type=float, default=d.turns.user_speech_timeout)
     t.add_argument(
         "--turn-stop-timeout", type=float, default=d.turns.turn_stop_timeout,
@@ -159,7 +169,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         max_tokens=a.max_tokens,
         first_phrase_words=a.first_phrase_words,
         greeting=a.greeting,
-        turns=TurnTaking(a.vad_start_secs, a.vad_stop_secs, a.turn_stop, a.user_speech_timeout, a.turn_stop_timeout),
+        turns=TurnTaking(
+            a.vad_start_secs, a.vad_stop_secs, a.turn_stop, a.speak_ahead, a.user_speech_timeout, a.turn_stop_timeout
+        ),
         engine=engine,
         tts_url=a.tts_url,
     )

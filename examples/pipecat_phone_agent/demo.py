@@ -37,7 +37,7 @@ from orpheus_tts_plugin.tools.loopback import free_port
 
 from .caller import CallScript, print_summary, run_calls
 from .make_fixtures import load_fixtures
-from .waterfall import add_stages, medians, plot, print_medians, split_turns
+from .waterfall import add_stages, medians, plot, print_medians, speculations, split_turns
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,6 +160,7 @@ def run_demo(
         add_stages(report, {sid: get_json(f"{base}/calls/{sid}/moments") for sid in sids})
     report["stage_medians_ms"] = medians(report)
     report["split_turns"] = split_turns(report)
+    report["speculations"] = speculations(report)
     report["server_log"] = str(out / f"server{name}.log")
     report["waterfall_png"] = str(out / f"waterfall{name}.png")
     report["calls_dir"] = str(out / f"calls{name}")
@@ -233,6 +234,16 @@ def demo(argv: list[str] | None) -> int:
         if report["host_cpu_steal_s"] is not None:  # a VM's neighbours: the demo's figures move with it
             print(f"host CPU stolen by the hypervisor during the calls: {report['host_cpu_steal_s']:.1f} s")
         print(f"caller turns ended too early (at a mid-sentence pause): {report['split_turns']}")
+        spec, engine = report["speculations"], report["server"]["engine"]
+        per_call = ", ".join(
+            f"{c['speculations']['started']}/{c['speculations']['confirmed']}/{c['speculations']['discarded']}"
+            for c in report["calls"]
+        )
+        print(
+            f"speculations (reply spoken ahead, held until the turn is confirmed): {spec['started']} started, "
+            f"{spec['confirmed']} confirmed, {spec['discarded']} discarded (per call: {per_call}); engine work "
+            f"discarded: {engine.get('speculative_discarded_audio_s', 0):.2f} s of audio"
+        )
         engine = report["server"]["engine"]
         print(
             f"engine: {report['server']['calls']['total']} calls, {engine.get('streams_started', 0)} streams, "

@@ -7,7 +7,9 @@ of the caller's speech:
 
 - `vad_stop`: Silero says the speech stopped (VADUserStoppedSpeakingFrame out of the user aggregator);
 - `transcript`: the final transcript (TranscriptionFrame out of the STT);
-- `turn_end`: the turn strategy ends the user's turn (the LLMContextFrame the user aggregator sends on);
+- `turn_end`: the turn strategy ends the user's turn (the LLMContextFrame the user aggregator sends on); speaking
+  ahead (`--speak-ahead`, the default), at the VAD stop, with the reply's audio held (`speculation`, a
+  ReplyHoldFrame) until the turn is confirmed (`turn_confirmed`, a ReplyReleaseFrame) or the caller goes on;
 - `llm_first_token`: the first LLM text of the reply;
 - `first_phrase_ready`: the TTS is handed the reply's first text to speak (its aggregator's first sentence, or
   first phrase: `first_phrase.py`), through TTSService's `on_tts_request` event (`TurnMoments.note`);
@@ -34,6 +36,8 @@ from pipecat.frames.frames import (
 from pipecat.observers.base_observer import BaseObserver, FramePushed
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
+from orpheus_tts_plugin.pipecat_turns import ReplyHoldFrame, ReplyReleaseFrame
+
 BURST_GAP_S = 0.3  # a stage's frames closer together than this are one burst (the audio of one reply)
 
 
@@ -54,6 +58,8 @@ def call_markers(
         Marker("vad_stop", user, (VADUserStoppedSpeakingFrame,)),
         Marker("transcript", stt, (TranscriptionFrame,)),
         Marker("turn_end", user, (LLMContextFrame,)),
+        Marker("speculation", user, (ReplyHoldFrame,)),
+        Marker("turn_confirmed", user, (ReplyReleaseFrame,)),
         Marker("llm_first_token", llm, (LLMTextFrame,)),
         Marker("tts_first_audio", tts, (TTSAudioRawFrame,)),
         Marker("transport_out", out, (OutputAudioRawFrame,)),

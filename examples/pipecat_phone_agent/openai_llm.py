@@ -9,6 +9,9 @@ from pipecat.services.openai.llm import OpenAILLMService
 from .config import SYSTEM_PROMPT, AgentConfig
 
 RETRIES = 1  # a request that fails is sent once more (the client's default, 2, keeps a caller waiting ~3 s longer)
+# The system prompt asks for one to three short sentences (~20-60 tokens); a reply that runs on past this (~75
+# words, half a minute of speech) is cut rather than spoken for minutes. Sent as `max_completion_tokens`.
+REPLY_MAX_TOKENS = 100
 
 
 class TimeLimitedOpenAILLMService(OpenAILLMService):
@@ -25,10 +28,13 @@ class TimeLimitedOpenAILLMService(OpenAILLMService):
 
 
 def make_openai_llm(config: AgentConfig) -> OpenAILLMService:
-    """The chat model `config.llm_model` at `config.llm_base_url`, told to answer briefly for speech."""
+    """The chat model `config.llm_model` at `config.llm_base_url`, told to answer briefly for speech and cut at
+    REPLY_MAX_TOKENS."""
     return TimeLimitedOpenAILLMService(
         timeout_s=config.llm_timeout_s,
         api_key=config.llm_api_key,
         base_url=config.llm_base_url,
-        settings=OpenAILLMService.Settings(model=config.llm_model, system_instruction=SYSTEM_PROMPT),
+        settings=OpenAILLMService.Settings(
+            model=config.llm_model, system_instruction=SYSTEM_PROMPT, max_completion_tokens=REPLY_MAX_TOKENS
+        ),
     )

@@ -20,7 +20,7 @@ STAGES = (
     "transport_out",
     "caller_first_audio",
 )
-EXTRA_STAGES = ("vad_stop",)
+EXTRA_STAGES = ("vad_stop", "turn_confirmed")
 # As they usually follow each other: the turn end waits for the transcript.
 CHRONOLOGY = (
     "vad_stop",
@@ -28,6 +28,7 @@ CHRONOLOGY = (
     "turn_end",
     "llm_first_token",
     "first_phrase_ready",
+    "turn_confirmed",
     "tts_first_audio",
     "transport_out",
     "caller_first_audio",
@@ -55,6 +56,7 @@ def stages_ms(moments: list[list[Any]], speech_end: float, caller_first_audio: f
         at["transcript"] = max(before_end, default=at["transcript"])
     at["llm_first_token"] = first("llm_first_token", at["turn_end"])
     at["first_phrase_ready"] = first("first_phrase_ready", at["llm_first_token"])
+    at["turn_confirmed"] = first("turn_confirmed", at["turn_end"])
     at["tts_first_audio"] = first("tts_first_audio", at["first_phrase_ready"] or at["llm_first_token"])
     at["transport_out"] = first("transport_out", at["tts_first_audio"])
     at["caller_first_audio"] = caller_first_audio
@@ -62,12 +64,21 @@ def stages_ms(moments: list[list[Any]], speech_end: float, caller_first_audio: f
 
 
 def add_stages(report: dict[str, Any], moments_of: dict[str, list[list[Any]]]) -> None:
-    """Give every turn of `report` its "stages_ms", from its call's moments (by stream sid), and every call the
-    number of user turns the server ended ("server_turn_ends": more than the caller's turns means one was split).
+    """Give every turn of `report` its "stages_ms", from its call's moments (by stream sid), every call its
+    speculations (turns ended at the VAD stop with the reply held: confirmed, or discarded as the caller went on) and
+    the number of user turns the server ended and answered ("server_turn_ends": more than the caller's turns means
+    one was split; a discarded speculation was never heard, so it splits nothing).
     """
     for call in report["calls"]:
         moments = moments_of.get(call.get("stream_sid", ""), [])
-        call["server_turn_ends"] = sum(stage == "turn_end" for _, stage in moments)
+        count = {name: sum(stage == name for _, stage in moments) for name in ("turn_end", "speculation")}
+        confirmed = sum(stage == "turn_confirmed" for _, stage in moments)
+        call["speculations"] = {
+            "started": count["speculation"],
+            "confirmed": confirmed,
+            "discarded": count["speculation"] - confirmed,
+        }
+        call["server_turn_ends"] = count["turn_end"] - count["speculation"] + confirmed
         call["moments"] = moments
         for turn in call["turns"]:
             turn["stages_ms"] = stages_ms(moments, turn["speech_end_monotonic"], turn["first_audio_monotonic"])
@@ -77,6 +88,12 @@ def split_turns(report: dict[str, Any]) -> int:
     """User turns the server ended beyond the caller's own, over all calls: each is a turn ended too early, at a
     pause inside the caller's sentence (the caller's lines pause mid-sentence: make_fixtures.py)."""
     return sum(max(0, c.get("server_turn_ends", 0) - len(c["turns"])) for c in report["calls"])
+
+
+def speculations(report: dict[str, Any]) -> dict[str, int]:
+    """Speculations started, confirmed and discarded, over all calls."""
+    keys = ("started", "confirmed", "discarded")
+    return {k: sum(c.get("speculations", {}).get(k, 0) for c in report["calls"]) for k in keys}
 
 
 def medians(report: dict[str, Any]) -> dict[str, float | None]:

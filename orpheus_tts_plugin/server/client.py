@@ -21,11 +21,12 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..config import EngineConfig, SamplingOverrides, SamplingParams
+from ..config import MAX_TEXT_CHARS, EngineConfig, SamplingOverrides, SamplingParams, check_text_length
 from ..errors import EngineClosedError, EngineError, EngineOverloadedError, KeyRefusedError
 from ..loop_thread import LoopThread, Outbox, SharedInstances
 from ..mailbox import Mailbox
-from ..spec import SPECS, ModelSpec, spec_for
+from ..spec import SAMPLE_RATE, SPECS, ModelSpec, spec_for
+from ..speculation import CONFIRMED, Speculation, SpeculationTally
 from ..text import split_sentences
 from ..types import AudioChunk, Speech, SpeechOptions
 from . import protocol
@@ -58,11 +59,25 @@ class RemoteConfig:
 class _CallerStream:
     """One synthesize() call: created on the caller's loop; `box` is read there only."""
 
-    __slots__ = ("_to_box", "box", "closed", "conn", "deadline", "heard", "loop", "request", "sid", "tried", "upstream")
+    __slots__ = (
+        "_to_box",
+        "box",
+        "closed",
+        "conn",
+        "deadline",
+        "heard",
+        "loop",
+        "request",
+        "sid",
+        "speculation",
+        "tried",
+        "upstream",
+    )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request: protocol.Start):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: protocol.Start, speculation: Speculation | None):
         self.loop = loop
         self.request = request
+        self.speculation = speculation  # a speculative stream's outcome (any thread: its own lock)
         self.box: Mailbox[AudioChunk] = Mailbox()
         self._to_box = to_mailbox(self.box)  # caller's loop only
         self.closed = False  # set by the caller when it leaves early; read on the connection's loop
@@ -125,6 +140,7 @@ class RemoteEngine:
         self.sampling = SamplingParams()  # the server's defaults, replaced at each hello
         self.adapters: tuple[str, ...] = ()  # the server's LoRA adapters, replaced at each hello
         self._sentence_max_chars = EngineConfig().sentence_max_chars  # the server's, replaced at each hello
+        self._max_chars = MAX_TEXT_CHARS  # characters a request may have: the server's, replaced at each hello
         self._ssl = ssl
         self._api_key = api_key  # None: Connection.open takes $ORPHEUS_API_KEY
         self._connect_timeout_s = connect_timeout_s
@@ -133,6 +149,7 @@ class RemoteEngine:
         self._thread: LoopThread | None = None  # the connection's loop, from the first start() or prewarm()
         self._closed = False
         self._counters: collections.Counter[str] = collections.Counter()
+        self._speculations = SpeculationTally()  # this process's speculative streams (any thread: its own lock)
         # The rest belongs to the connection's loop (other threads only read the references).
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         posts = (ssl, key, connect_timeout_s) if keepalive_s is not None else (ssl, key, connect_timeout_s, None)
@@ -205,7 +222,9 @@ class RemoteEngine:
     def stats(self) -> dict[str, Any]:
         """This process's streams (active_streams, started, completed, cancelled, failed, rejected), connects,
         failovers (streams sent on to another server, theirs lost before their first audio), and each server's last
-        status (`servers`, by URL; with one URL also `server`); `await server_stats()` has a server's own counters."""
+        status (`servers`, by URL; with one URL also `server`); `await server_stats()` has a server's own counters.
+        Its `speculative_*` count this process's speculative streams as OrpheusEngine's do, with the audio received
+        (not generated) and the time open as their cost."""
         with self._lock:
             counters = dict(self._counters)
         streams = collections.Counter(s.upstream.url for s in list(self._open) if s.upstream is not None)
@@ -228,6 +247,7 @@ class RemoteEngine:
             "load": self.load,
             "status": self.health()["status"],
             "servers": servers,
+            **self._speculations.stats(),
         }
         if len(self._upstreams) == 1:
             out["server"] = dict(self._upstreams[0].status)
@@ -282,27 +302,41 @@ class RemoteEngine:
         sampling: SamplingOverrides | None = None,
         options: SpeechOptions | None = None,
         adapter: str | None = None,
+        speculative: bool = False,
         **overrides: Any,
     ) -> Speech:
-        """Speak `text` on a server: a `Speech` as OrpheusEngine.synthesize returns it (validated eagerly).
+        """Speak `text` on a server: a `Speech` as OrpheusEngine.synthesize returns it (validated eagerly; text over
+        the server's `--max-chars`, which its hello names, is a ValueError at once).
 
         The server fills in its own sampling defaults: only the overrides travel; `speed` is stretched by the server's
         engine. Leaving the loop early,
-        `aclose()` or cancelling the task sends `cancel` at once.
+        `aclose()` or cancelling the task sends `cancel` at once. `speculative`: as OrpheusEngine's; its
+        `Speech.confirm()` reaches the server, which counts it (not a server behind Ray Serve's proxy: its streams
+        are posted, and their replicas cannot hear of a confirm).
         """
+        check_text_length(text, self._max_chars, "the server's", remedy=" (serve --max-chars)")
+        if not isinstance(speculative, bool):
+            raise TypeError(f"speculative must be a bool, got {type(speculative).__name__}")
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         sentences = self.sentences(text)
-        request = protocol.Start(text, options.voice, options.overrides, options.adapter, options.speed)
-        return Speech(sentences, self._synthesize(request))
+        request = protocol.Start(text, options.voice, options.overrides, options.adapter, options.speed, speculative)
+        speculation = self._speculations.open() if speculative else None
+        return Speech(sentences, self._synthesize(request, speculation), speculation)
 
-    async def _synthesize(self, request: protocol.Start) -> AsyncGenerator[AudioChunk, None]:
+    async def _synthesize(
+        self, request: protocol.Start, speculation: Speculation | None
+    ) -> AsyncGenerator[AudioChunk, None]:
         if self._closed:
             raise EngineClosedError("RemoteEngine is closed")
         await self.start()
-        stream = _CallerStream(asyncio.get_running_loop(), request)
+        stream = _CallerStream(asyncio.get_running_loop(), request, speculation)
+        if speculation is not None:
+            speculation.listen(lambda settled: self._tell_server(stream, settled))
+            speculation.started()
         self._thread.call(self._begin, stream)
         self._count("streams_started")
         outcome = "streams_cancelled"
+        received = 0
         try:
             while True:
                 try:
@@ -312,6 +346,7 @@ class RemoteEngine:
                     return
                 if chunk.final:
                     outcome = "streams_completed"
+                received += chunk.num_samples
                 yield chunk
                 if chunk.final:
                     return
@@ -323,6 +358,11 @@ class RemoteEngine:
             raise
         finally:
             self._count(outcome)
+            if speculation is not None:
+                if outcome != "streams_completed":
+                    speculation.discard()
+                speculation.released()
+                speculation.ended(received / SAMPLE_RATE)
             if outcome == "streams_cancelled":
                 stream.closed = True
                 with contextlib.suppress(RuntimeError):  # the connection's loop is gone: nothing to cancel
@@ -419,6 +459,7 @@ class RemoteEngine:
         self.sampling = hello.sampling
         self.adapters = hello.adapters
         self._sentence_max_chars = hello.sentence_max_chars
+        self._max_chars = hello.max_chars
         self._take_pushed_voices()
         self._count("connects")
         self._connected.set()
@@ -477,7 +518,27 @@ class RemoteEngine:
             return
         self._open.add(stream)
         stream.upstream = upstream
-        stream.conn, stream.sid = upstream.start(stream.request, lambda item: self._arrive(stream, item))
+        request = stream.request
+        if request.speculative and not upstream.conn.hello.speculation:  # a server that would refuse a confirm
+            request = replace(request, speculative=False)
+        stream.conn, stream.sid = upstream.start(request, lambda item: self._arrive(stream, item))
+        if stream.speculation is not None and stream.speculation.outcome == CONFIRMED:  # confirmed before it began
+            stream.conn.confirm(stream.sid)
+
+    def _tell_server(self, stream: _CallerStream, outcome: str) -> None:
+        """Any thread: `stream`'s speculation settled; its server hears of it on the connection's loop."""
+        with contextlib.suppress(RuntimeError):  # the connection's loop is gone, and the server's streams with it
+            self._thread.call(self._settle, stream, outcome)
+
+    def _settle(self, stream: _CallerStream, outcome: str) -> None:
+        """Send `confirm`, or the `cancel` that discards a stream that is over (once; not before it began: `_route`
+        sends a confirm that came first, or while it waited for another server)."""
+        if stream.conn is None or stream.sid is None:
+            return
+        if outcome == CONFIRMED:
+            stream.conn.confirm(stream.sid)
+        else:
+            stream.conn.cancel(stream.sid)
 
     def _arrive(self, stream: _CallerStream, item: Item) -> None:
         if self._lost_before_audio(stream, item):

@@ -106,6 +106,7 @@ class Connection:
         self._on_status = on_status
         self._on_close = on_close
         self._sinks: dict[int, _Sink] = {}
+        self._speculative: set[int] = set()  # speculative streams started here, not confirmed or cancelled yet
         self._ids = itertools.count()
         self._stats: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._out: collections.deque[str] = collections.deque()
@@ -187,13 +188,26 @@ class Connection:
             raise EngineError(f"connection to {self.url} is closed")
         sid = next(self._ids) % (protocol.MAX_STREAM_ID + 1)
         self._sinks[sid] = _Sink(deliver)
+        if request.speculative:
+            self._speculative.add(sid)
         self._send(protocol.encode(request.message(sid)))
         return sid
 
     def cancel(self, sid: int) -> None:
-        """Forget a stream and send `cancel` at once (nothing more reaches its deliver)."""
-        if self._sinks.pop(sid, None) is not None and not self.closed.done():
+        """Forget a stream and send `cancel` at once (nothing more reaches its deliver); for a speculative stream
+        that is over but not confirmed, the `cancel` discards it."""
+        live = self._sinks.pop(sid, None) is not None
+        held = sid in self._speculative
+        self._speculative.discard(sid)
+        if (live or held) and not self.closed.done():
             self._send(protocol.encode(protocol.cancel(sid)))
+
+    def confirm(self, sid: int) -> None:
+        """Confirm a speculative stream, live or over: its audio will be played (sent once)."""
+        if sid in self._speculative:
+            self._speculative.discard(sid)
+            if not self.closed.done():
+                self._send(protocol.encode(protocol.confirm(sid)))
 
     async def stream(self, request: protocol.Start) -> AsyncGenerator[AudioChunk, None]:
         """One stream's chunks, as OrpheusEngine.synthesize yields them; leaving early cancels it on the server."""

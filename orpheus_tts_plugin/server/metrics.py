@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import missing_extra
+from ..speculation import CONFIRMED, DISCARDED
 
 try:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -42,6 +43,33 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("orpheus_ready", "1 if /ready would answer 200", value=float(stats["ready"]))
         for key, (name, doc) in ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        yield from _speculation_metrics(stats)
+
+
+def _speculation_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Speculative streams (a reply spoken before the caller's turn is confirmed): started, settled by outcome, and
+    what the discarded ones cost the engine."""
+    yield CounterMetricFamily(
+        "orpheus_speculative_streams_started", "Speculative streams admitted", value=stats.get("speculative_started", 0)
+    )
+    settled = CounterMetricFamily(
+        "orpheus_speculative_streams_settled",
+        "Speculative streams by outcome (confirmed, discarded)",
+        labels=["outcome"],
+    )
+    for outcome in (CONFIRMED, DISCARDED):
+        settled.add_metric([outcome], stats.get(f"speculative_{outcome}", 0))
+    yield settled
+    yield CounterMetricFamily(
+        "orpheus_speculative_discarded_audio_seconds",
+        "Audio seconds the engine generated for discarded speculative streams (the work thrown away)",
+        value=stats.get("speculative_discarded_audio_s", 0),
+    )
+    yield CounterMetricFamily(
+        "orpheus_speculative_discarded_open_seconds",
+        "Stream-seconds discarded speculative streams held an engine slot",
+        value=stats.get("speculative_discarded_open_s", 0),
+    )
 
 
 class Metrics:

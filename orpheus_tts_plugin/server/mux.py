@@ -13,6 +13,7 @@ from starlette.websockets import WebSocket
 
 from ..errors import EngineError
 from ..spec import SAMPLE_RATE
+from ..speculation import Speculation
 from . import protocol
 from .policy import SlowConsumerError, StreamLimitError, bearer
 from .service import Service
@@ -20,10 +21,11 @@ from .service import Service
 log = logging.getLogger(__name__)
 
 BYTES_PER_S = 2 * SAMPLE_RATE  # int16 mono
+MAX_HELD_SPECULATIONS = 1024  # a connection's speculative streams over but not settled; past it the oldest is discarded
 
 
 class Mux:
-    """Reads `start`/`cancel`/`stats` messages, runs each stream's task, and sends everything through one writer.
+    """Reads `start`/`cancel`/`confirm`/`stats` messages, runs a task per stream, sends everything through one writer.
 
     Everything here runs on the server's event loop. The writer owns the socket's send side, so
     stream tasks never wait on one another's sends.
@@ -34,6 +36,8 @@ class Mux:
         self.service = service
         self._tasks: dict[int, asyncio.Task[None]] = {}  # live streams by client stream id
         self._cancelled: set[int] = set()  # ids whose cancel arrived while their task still runs
+        self._held: dict[int, Speculation] = {}  # speculative streams not settled yet, by id (oldest first)
+        self._confirmed_early: set[int] = set()  # ids confirmed before their task took its speculation
         self._out: collections.deque[tuple[int | None, str | bytes]] = collections.deque()  # (audio's stream, item)
         self._unsent: collections.Counter[int] = collections.Counter()  # audio bytes queued, by stream
         self._progress: dict[int, asyncio.Event] = {}  # set by the writer as it sends a waiting stream's audio
@@ -69,6 +73,9 @@ class Mux:
                 task.cancel()
             writer.cancel()
             await asyncio.gather(writer, *tasks, return_exceptions=True)
+            for speculation in self._held.values():  # its client is gone: none of them will be played
+                speculation.discard()
+            self._held.clear()
 
     async def _authenticate(self) -> bool:
         """With API keys: the key from the `Authorization: Bearer` header or, without one, from an `auth`
@@ -115,6 +122,8 @@ class Mux:
             sid = protocol.stream_id(message)
             if kind == "cancel":
                 self._cancel(sid)
+            elif kind == "confirm":
+                self._confirm(sid)
             elif kind == "start":
                 if sid in self._tasks:  # refused as the connection's: an error with this id would end the live one
                     sid = None
@@ -135,17 +144,39 @@ class Mux:
             self._refuse(sid, exc)
 
     def _cancel(self, sid: int) -> None:
+        """Abort a live stream; discard a speculative one that is over but not settled."""
         task = self._tasks.get(sid)
         if task is not None:  # unknown ids are streams that already ended: nothing to do
             self._cancelled.add(sid)
             task.cancel()
+        if (speculation := self._held.pop(sid, None)) is not None:
+            speculation.discard()
+
+    def _confirm(self, sid: int) -> None:
+        """Confirm a speculative stream, live or over (an id that is neither: already settled, ignored)."""
+        if (speculation := self._held.pop(sid, None)) is not None:
+            speculation.confirm()
+        elif sid in self._tasks:  # its task has not started speaking yet
+            self._confirmed_early.add(sid)
+
+    def _hold(self, sid: int, speculation: Speculation) -> None:
+        """Keep a speculative stream's speculation until its client confirms or discards it."""
+        if sid in self._confirmed_early:
+            speculation.confirm()
+            return
+        if (earlier := self._held.pop(sid, None)) is not None:  # its id reused: the earlier one was never settled
+            earlier.discard()
+        self._held[sid] = speculation
+        if len(self._held) > MAX_HELD_SPECULATIONS:
+            self._held.pop(next(iter(self._held))).discard()
 
     # ---------------------------------------------------------------- one stream
     async def _pump(self, sid: int, request: protocol.Start, received: float) -> None:
         """Send one stream's audio; exactly one terminal message (FINAL frame, end or error) unless cancelled."""
         final = False
         try:
-            async with contextlib.aclosing(self.service.speak(request, "ws", received, self.key)) as chunks:
+            speaking = self.service.speak(request, "ws", received, self.key, lambda spec: self._hold(sid, spec))
+            async with contextlib.aclosing(speaking) as chunks:
                 async for chunk in chunks:  # leaving early (a slow consumer) closes the engine stream at once
                     final = chunk.final
                     self.send(protocol.audio_frame(sid, chunk), stream=sid)
@@ -164,6 +195,9 @@ class Mux:
             self._refuse(sid, EngineError(f"server error: {exc!r}"))
         finally:
             self._cancelled.discard(sid)
+            self._confirmed_early.discard(sid)
+            if (speculation := self._held.get(sid)) is not None and speculation.outcome is not None:
+                del self._held[sid]  # settled as it spoke (ended early: discarded)
             self._tasks.pop(sid, None)
             self._progress.pop(sid, None)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import check_int, check_number
+from ..config import MAX_TEXT_CHARS, check_int, check_number, check_text_length
 from ..errors import EngineError, EngineOverloadedError
 
 KEYS_ENV = "ORPHEUS_API_KEYS"  # comma-separated keys, added to --api-key and --api-key-file
@@ -38,7 +38,7 @@ class Policy:
 
     api_keys: frozenset[str] = frozenset()  # empty: no key needed (a warning at start off loopback)
     metrics_key: str | None = None  # /metrics needs this key; None: /metrics is open like /health
-    max_chars: int = 4096  # characters of text per request (OpenAI's limit for `input`)
+    max_chars: int = MAX_TEXT_CHARS  # characters of text per request (the engine's default: OpenAI's for `input`)
     max_message_bytes: int = 65_536  # a WebSocket message or an HTTP request body
     max_json_depth: int = 8  # nesting of objects and lists in a request
     streams_per_connection: int | None = None  # open streams per WebSocket; None: fair_share()
@@ -90,8 +90,8 @@ class Policy:
         return self.streams_per_key or self.fair_share(max_streams)
 
     def check_text(self, text: str) -> None:
-        if len(text) > self.max_chars:
-            raise LimitError(f"text of {len(text)} characters is over this server's limit of {self.max_chars}")
+        """LimitError naming the limit if `text` is over `max_chars`."""
+        check_text_length(text, self.max_chars, "this server's", LimitError)
 
     def check_depth(self, value: Any) -> None:
         """ValueError (a 400, not a size's 413) if `value` (parsed JSON) nests deeper than max_json_depth."""

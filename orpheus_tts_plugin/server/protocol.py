@@ -7,8 +7,10 @@ One WebSocket (`WS_PATH`) carries many streams at once, each named by a stream i
   that the client checks voices and sampling values itself without a round trip, then `status`;
 - client → server, first where the server has keys and the client sent no `Authorization` header: `auth` {key}
   (null: it has none, refused at once; a server without keys ignores it);
-- client → server: `start` {id, text, voice, sampling, speed} and `cancel` {id}; `stats` {req} asks for the
-  server's counters;
+- client → server: `start` {id, text, voice, sampling, speed, speculative} and `cancel` {id}; `stats` {req} asks
+  for the server's counters; `confirm` {id} confirms a speculative stream (its audio will be played), and a
+  `cancel` of one that is over but not confirmed discards it (a server whose hello says `speculation` counts
+  them; the connection closing discards every one not confirmed);
 - server → client: binary audio frames, `HEADER` (stream id, flags, sentence index) then int16 LE
   mono 24 kHz PCM; `UTTERANCE_END` flags a sentence's last frame, and the frame flagged `FINAL` ends
   its stream; `end` {id} ends a stream with no further audio (empty
@@ -27,7 +29,7 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..config import SAMPLING_FIELDS, SamplingOverrides, SamplingParams, check_speed
+from ..config import MAX_TEXT_CHARS, SAMPLING_FIELDS, SamplingOverrides, SamplingParams, check_speed
 from ..errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
 from ..types import AudioChunk
 
@@ -116,6 +118,7 @@ class Start:
     sampling: SamplingOverrides = SamplingOverrides()
     adapter: str | None = None  # a LoRA adapter of the server's (hello `adapters`); None: the voice's, if any
     speed: float = 1.0  # the audio's tempo in config.SPEED_RANGE, stretched by the server's engine (pitch kept)
+    speculative: bool = False  # spoken before the caller's turn is confirmed: `confirm` or `cancel` settles it
 
     def message(self, sid: int) -> dict[str, Any]:
         out = {"type": "start", "id": sid, "text": self.text, "voice": self.voice, "sampling": self.sampling.given()}
@@ -123,6 +126,8 @@ class Start:
             out["adapter"] = self.adapter
         if self.speed != 1.0:  # likewise
             out["speed"] = self.speed
+        if self.speculative:  # likewise
+            out["speculative"] = True
         return out
 
     @classmethod
@@ -138,7 +143,11 @@ class Start:
         adapter = message.get("adapter")
         if adapter is not None and not isinstance(adapter, str):
             raise TypeError(f"adapter must be a str or null, got {type(adapter).__name__}")
-        return cls(text, voice, SamplingOverrides.of(**sampling), adapter, check_speed(message.get("speed", 1.0)))
+        speculative = message.get("speculative", False)
+        if not isinstance(speculative, bool):
+            raise TypeError(f"speculative must be a bool, got {type(speculative).__name__}")
+        speed = check_speed(message.get("speed", 1.0))
+        return cls(text, voice, SamplingOverrides.of(**sampling), adapter, speed, speculative)
 
 
 def auth(key: str | None) -> dict[str, Any]:
@@ -149,6 +158,10 @@ def auth(key: str | None) -> dict[str, Any]:
 
 def cancel(sid: int) -> dict[str, Any]:
     return {"type": "cancel", "id": sid}
+
+
+def confirm(sid: int) -> dict[str, Any]:
+    return {"type": "confirm", "id": sid}
 
 
 def end(sid: int, cancelled: bool = False) -> dict[str, Any]:
@@ -193,19 +206,21 @@ class Hello:
     max_streams: int
     sample_rate: int
     sentence_max_chars: int  # how the server splits text into sentences (AudioChunk.utterance indexes them)
+    max_chars: int = MAX_TEXT_CHARS  # characters of text a request may have (absent from older servers: the default)
     protocol: int = PROTOCOL_VERSION
     adapters: tuple[str, ...] = ()  # its LoRA adapters (EngineConfig.adapters); their voices are among `voices`
     replica: str | None = None  # the replica serving this connection, under Ray Serve (None: a lone server)
     # Where to POST each stream instead (STREAMS_PATH), when a proxy in front balances requests but routes a
     # WebSocket once, for its whole life (Ray Serve): None: streams go on this WebSocket.
     streams_path: str | None = None
+    speculation: bool = False  # it counts speculative streams (`start` speculative, `confirm`); older servers do not
 
     def message(self) -> dict[str, Any]:
         out = asdict(self)
         out["voices"] = list(self.voices)
         out["adapters"] = list(self.adapters)
-        for optional in ("replica", "streams_path"):  # absent when unset: the hello older clients know
-            if out[optional] is None:
+        for optional in ("replica", "streams_path", "speculation"):  # absent when unset: the hello older clients know
+            if out[optional] in (None, False):
                 del out[optional]
         return {"type": "hello", **out}
 
@@ -227,9 +242,11 @@ class Hello:
                 max_streams=int(message["max_streams"]),
                 sample_rate=int(message["sample_rate"]),
                 sentence_max_chars=int(message["sentence_max_chars"]),
+                max_chars=int(message.get("max_chars", MAX_TEXT_CHARS)),
                 adapters=tuple(message.get("adapters") or ()),  # absent: a server without adapters
                 replica=message.get("replica"),
                 streams_path=message.get("streams_path"),
+                speculation=bool(message.get("speculation", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed hello: {exc!r}") from None

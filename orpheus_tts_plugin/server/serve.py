@@ -45,17 +45,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=d.model, help="hub id or local directory (synthetic: optional)")
     p.add_argument("--snac", default=d.snac, help="hub id or local directory")
-    p.add_argument("--backend", default=d.backend, choices=BACKENDS)
-    p.add_argument("--device", default=d.device)
-    p.add_argument("--model-family", default=d.model_family)
+    p.add_argument(
+        "--backend", default=d.backend, choices=BACKENDS, help="what generates the tokens (docs/backends.md)"
+    )
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--model-family", default=d.model_family, help="token ids and voices (docs/voices.md)")
     p.add_argument("--tokenizer", default=None, help="defaults to --model")
     p.add_argument("--completions-url", default=None, help="openai-completions: the server's URL")
-    p.add_argument("--decoder", default=d.decoder, choices=DECODERS)
+    p.add_argument(
+        "--decoder", default=d.decoder, choices=DECODERS, help="null: silence on SNAC's schedule (benchmarks)"
+    )
     p.add_argument("--max-streams", type=int, default=d.max_streams, help="concurrent streams admitted")
     p.add_argument("--max-batch-size", type=int, default=None, help="rows per backend step (default max streams)")
     p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s, help="longest wait for a first token (s)")
     p.add_argument("--budget-per-char", type=float, default=d.token_budget_per_char, help="token budget per character")
-    p.add_argument("--budget-base", type=int, default=d.token_budget_base, help="token budget base")
+    p.add_argument(
+        "--budget-base",
+        type=int,
+        default=d.token_budget_base,
+        help="an utterance's token budget besides --budget-per-char",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the decoder step")
     p.add_argument("--token-rate", type=float, default=0.0, help="synthetic backend: tokens/s per stream (0: flat out)")
     p.add_argument(
@@ -75,11 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the OpenAI route speaks voice NAME (e.g. alloy) with the model's VOICE; repeatable; overrides the "
         "default table (docs/serving.md)",
     )  # fmt: skip
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8880)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface; set a key)")
+    p.add_argument("--port", type=int, default=8880, help="TCP port to listen on")
     p.add_argument("--uds", default=None, help="listen on this Unix socket instead of host:port")
     p.add_argument("--ssl-certfile", default=None, help="serve TLS (wss://, https://) with this certificate")
-    p.add_argument("--ssl-keyfile", default=None)
+    p.add_argument("--ssl-keyfile", default=None, help="the private key of --ssl-certfile")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM: seconds open streams may take to end")
     limits = Policy()
     g = p.add_argument_group("keys and limits (docs/serving.md, Deploying)")
@@ -124,7 +133,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run the server on these CPUs only, e.g. 3 or 0-3,6 (taskset's list): its threads share one "
         "interpreter lock, and on one CPU its hand-offs are cheap (docs/serving.md)",
     )  # fmt: skip
-    p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's and the engine's log level",
+    )  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -143,6 +155,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         queue_timeout_s=args.queue_timeout,
         token_budget_per_char=args.budget_per_char,
         token_budget_base=args.budget_base,
+        max_text_chars=args.max_chars,  # the engine takes what the server lets in (Policy.max_chars)
         compile=args.compile,
         synthetic=SyntheticConfig(tokens_per_second=args.token_rate, frames_per_prompt_token=args.frames_per_token),
         adapters=_pairs("--adapter", getattr(args, "adapter", [])),

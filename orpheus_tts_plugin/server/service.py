@@ -7,12 +7,13 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 from ..engine import OrpheusEngine
 from ..errors import EngineError, EngineOverloadedError
 from ..spec import SAMPLE_RATE
+from ..speculation import Speculation
 from ..types import AudioChunk, Usage
 from . import protocol
 from .metrics import Metrics
@@ -54,8 +55,10 @@ class Service:
             max_streams=cfg.max_streams,
             sample_rate=SAMPLE_RATE,
             sentence_max_chars=cfg.sentence_max_chars,
+            max_chars=self.policy.max_chars,
             adapters=cfg.adapter_names,
             replica=self.replica,
+            speculation=True,
             # Behind a proxy that routes a WebSocket once, its clients POST each stream: balanced one by one.
             streams_path=protocol.STREAMS_PATH if self.replica is not None else None,
         )
@@ -119,10 +122,13 @@ class Service:
         transport: str,
         received: float,
         key: str | None = None,
+        hold: Callable[[Speculation], None] | None = None,
         usage: Usage | None = None,
     ) -> AsyncGenerator[AudioChunk, None]:
         """The engine's chunks for `request`, counted; `received` is when the request arrived (perf_counter),
-        `key` the API key it came with (its streams are counted against `Policy.streams_per_key`), `usage` what the
+        `key` the API key it came with (its streams are counted against `Policy.streams_per_key`). A speculative
+        request is spoken as one only where its client can confirm it (`hold` given): `hold` then takes its
+        speculation, to settle when the client says (its stream ending early still discards it). `usage`: what the
         engine counts the stream's tokens into (`Speech.usage`)."""
         m = self.metrics
         m.requests.labels(transport).inc()
@@ -144,8 +150,11 @@ class Service:
                 sampling=request.sampling,
                 adapter=request.adapter,
                 speed=request.speed,
+                speculative=request.speculative and hold is not None,
                 usage=usage,
             )
+            if chunks.speculative:
+                hold(chunks.take_speculation())
             first = True
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

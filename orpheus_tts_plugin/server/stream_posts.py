@@ -214,6 +214,10 @@ class PostedConnection:
         """Abort a posted stream (its HTTP connection closes)."""
         self._posts.cancel(sid)
 
+    def confirm(self, sid: int) -> None:
+        """Nothing to send: a posted stream's replica cannot hear of it, so it does not count speculation (the
+        RemoteEngine's own stats do)."""
+
     async def server_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The stats of the replica the proxy sends this GET to."""
         return await self._posts.get_json("/stats", timeout_s)

@@ -451,9 +451,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--ttfb-sla-ms", type=float, default=d.ttfb_sla_ms, help="p95 TTFB limit for capacity")
     p.add_argument("--budget-per-char", type=float, default=d.budget_per_char, help="the server's, for variable")
-    p.add_argument("--budget-base", type=int, default=d.budget_base)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--budget-base", type=int, default=d.budget_base, help="the server's, for variable")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the traffic (texts, arrivals)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", default=None, help="write the result here and PNG plots beside it")
 
 

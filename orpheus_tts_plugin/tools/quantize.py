@@ -286,7 +286,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the unquantised parts")
     parser.add_argument("--no-kv-cache", action="store_true", help="leave the KV cache unquantised")
     parser.add_argument("--model-family", default=None, help="token ids and voices (default: orpheus-en)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the calibration's sampling")
 
 
 def quantize_main(args: argparse.Namespace) -> int:

@@ -144,8 +144,9 @@ async def test_pipecat_an_aggregator_holds_its_text_until_the_reply_ends_and_giv
     out = [a.text for p in pieces("Hello there") async for a in aggregator.aggregate(p)]
     assert out == [] and aggregator.text.text == "Hello there"
     assert (await aggregator.flush()).text == "Hello there"
-    assert [a.text async for a in aggregator.aggregate("Yes, we do. ")] == []  # a new reply: "Yes," is 1 word
-    assert (await aggregator.flush()).text == "Yes, we do."
+    # a new reply: "Yes," is 1 word, so no phrase is cut; its sentence goes once its end is followed by a space
+    assert [a.text async for a in aggregator.aggregate("Yes, we do. ")] == ["Yes, we do."]
+    assert await aggregator.flush() is None
 
 
 async def test_pipecat_a_barge_in_leaves_the_assistant_message_holding_the_words_played(

@@ -1,210 +1,38 @@
 """An AgentSession (real livekit-agents voice pipeline) speaking through the Orpheus TTS, then interrupted.
 
-STT, LLM, VAD and audio I/O are scripted fakes in the manner of livekit-agents' own session tests: the
-user speaks at set times, the LLM answers a set text, the audio sink plays in (virtual) real time.
+STT, LLM, VAD and audio I/O are the scripted fakes of livekit_fakes.py: the user speaks at set times, the LLM
+answers a set text, the audio sink plays in (virtual) real time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncGenerator, AsyncIterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
-from livekit import rtc
-from livekit.agents import (
-    Agent,
-    AgentSession,
-    AgentStateChangedEvent,
-    LanguageCode,
-    ModelSettings,
-    llm,
-    stt,
-    utils,
-    vad,
-)
-from livekit.agents.types import (
-    DEFAULT_API_CONNECT_OPTIONS,
-    NOT_GIVEN,
-    USERDATA_TIMED_TRANSCRIPT,
-    APIConnectOptions,
-    NotGivenOr,
-    TimedString,
-)
-from livekit.agents.voice.io import AudioInput, AudioOutput, AudioOutputCapabilities, PlaybackFinishedEvent
+from livekit.agents import Agent, AgentSession, AgentStateChangedEvent, llm, utils
+from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
+from livekit.agents.voice.io import PlaybackFinishedEvent
 from livekit.agents.voice.transcription.synchronizer import TranscriptSynchronizer
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin import livekit as orpheus
 from orpheus_tts_plugin.spec import SAMPLE_RATE
 from orpheus_tts_plugin.words import DEFAULT_WEIGHTS, total_weight, units
+from tests.adapters.livekit_fakes import (
+    ScriptedLLM,
+    ScriptedSTT,
+    ScriptedVAD,
+    SilentAudioInput,
+    TranscriptRecorder,
+    UserTurn,
+    VirtualSpeaker,
+    until_true,
+)
 
 STORY = " ".join(f"This is sentence number {i} of a story that goes on for quite a while." for i in range(12))
-
-
-@dataclass(frozen=True)
-class UserTurn:
-    """The user speaks from `start` to `end` (seconds after the session's first audio frame)."""
-
-    start: float
-    end: float
-    transcript: str
-
-
-class _Clock:
-    """Seconds since the first input frame reached a fake stream."""
-
-    def __init__(self) -> None:
-        self._t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self._t0
-
-    async def until(self, t: float) -> None:
-        await asyncio.sleep(max(0.0, t - self.now()))
-
-
-class ScriptedVAD(vad.VAD):
-    def __init__(self, turns: list[UserTurn]) -> None:
-        super().__init__(capabilities=vad.VADCapabilities(update_interval=0.05))
-        self.turns = turns
-
-    def stream(self) -> vad.VADStream:
-        return _ScriptedVADStream(self)
-
-
-class _ScriptedVADStream(vad.VADStream):
-    async def _main_task(self) -> None:
-        assert isinstance(self._vad, ScriptedVAD)
-        await self._input_ch.recv()
-        clock = _Clock()
-        for turn in self._vad.turns:
-            await clock.until(turn.start)
-            self._send(vad.VADEventType.START_OF_SPEECH, speaking=True, speech=0.0)
-            while clock.now() < turn.end:
-                await asyncio.sleep(0.05)
-                self._send(vad.VADEventType.INFERENCE_DONE, speaking=True, speech=clock.now() - turn.start)
-            self._send(vad.VADEventType.END_OF_SPEECH, speaking=False, speech=turn.end - turn.start)
-        async for _ in self._input_ch:
-            pass
-
-    def _send(self, type: vad.VADEventType, *, speaking: bool, speech: float) -> None:
-        self._event_ch.send_nowait(
-            vad.VADEvent(
-                type=type,
-                samples_index=0,
-                timestamp=time.time(),
-                speech_duration=speech,
-                silence_duration=0.0,
-                speaking=speaking,
-                raw_accumulated_speech=speech if speaking else 0.0,
-            )
-        )
-
-
-class ScriptedSTT(stt.STT):
-    """Streaming STT: each turn's final transcript arrives `delay` seconds after the turn ends."""
-
-    def __init__(self, turns: list[UserTurn], delay: float = 0.05) -> None:
-        super().__init__(capabilities=stt.STTCapabilities(streaming=True, interim_results=False))
-        self.turns, self.delay = turns, delay
-
-    async def _recognize_impl(self, buffer: Any, *, language: Any = NOT_GIVEN, conn_options: Any) -> stt.SpeechEvent:
-        raise NotImplementedError
-
-    def stream(
-        self, *, language: NotGivenOr[str] = NOT_GIVEN, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
-    ) -> stt.RecognizeStream:
-        return _ScriptedRecognizeStream(stt=self, conn_options=conn_options)
-
-
-class _ScriptedRecognizeStream(stt.RecognizeStream):
-    async def _run(self) -> None:
-        assert isinstance(self._stt, ScriptedSTT)
-        await self._input_ch.recv()
-        clock = _Clock()
-        for turn in self._stt.turns:
-            await clock.until(turn.end + self._stt.delay)
-            text = stt.SpeechData(text=turn.transcript, language=LanguageCode("en"))
-            self._event_ch.send_nowait(stt.SpeechEvent(type=stt.SpeechEventType.FINAL_TRANSCRIPT, alternatives=[text]))
-        async for _ in self._input_ch:
-            pass
-
-
-class ScriptedLLM(llm.LLM):
-    """Answers each known user message with its set reply, streamed a few characters at a time."""
-
-    def __init__(self, replies: dict[str, str]) -> None:
-        super().__init__()
-        self.replies = replies
-
-    def chat(
-        self, *, chat_ctx: llm.ChatContext, tools: Any = None, conn_options: Any = None, **_: Any
-    ) -> llm.LLMStream:
-        return _ScriptedLLMStream(self, chat_ctx=chat_ctx, tools=tools or [], conn_options=DEFAULT_API_CONNECT_OPTIONS)
-
-
-class _ScriptedLLMStream(llm.LLMStream):
-    async def _run(self) -> None:
-        assert isinstance(self._llm, ScriptedLLM)
-        reply = self._llm.replies.get(self.chat_ctx.items[-1].text_content or "", "")
-        for i in range(0, len(reply), 8):
-            delta = llm.ChoiceDelta(role="assistant", content=reply[i : i + 8])
-            self._event_ch.send_nowait(llm.ChatChunk(id="scripted", delta=delta))
-            await asyncio.sleep(0.002)
-
-
-class SilentAudioInput(AudioInput):
-    """A microphone that hears 20 ms of silence every 20 ms."""
-
-    def __init__(self) -> None:
-        super().__init__(label="silent-mic")
-
-    async def __anext__(self) -> rtc.AudioFrame:
-        await asyncio.sleep(0.02)
-        return rtc.AudioFrame(data=b"\0\0" * 320, sample_rate=16000, num_channels=1, samples_per_channel=320)
-
-
-class VirtualSpeaker(AudioOutput):
-    """An audio sink that 'plays' what it captures in real time, and reports where an interruption cut it."""
-
-    def __init__(self) -> None:
-        super().__init__(label="virtual-speaker", capabilities=AudioOutputCapabilities(pause=False))
-        self.captured = 0.0  # seconds of audio received, all segments
-        self._segment = 0.0
-        self._started_at: float | None = None
-        self._finish: asyncio.TimerHandle | None = None
-
-    async def capture_frame(self, frame: rtc.AudioFrame) -> None:
-        await super().capture_frame(frame)
-        assert frame.sample_rate == 24000 and frame.num_channels == 1
-        self.captured += frame.duration
-        self._segment += frame.duration
-        if self._started_at is None:
-            self._started_at = time.time()
-            self.on_playback_started(created_at=self._started_at)
-
-    def _played(self) -> float:
-        return 0.0 if self._started_at is None else min(time.time() - self._started_at, self._segment)
-
-    def flush(self) -> None:
-        super().flush()
-        if self._segment:
-            delay = self._segment - self._played()
-            self._finish = asyncio.get_running_loop().call_later(delay, self._end, False)
-
-    def clear_buffer(self) -> None:
-        if self._segment:
-            self._end(True)
-
-    def _end(self, interrupted: bool) -> None:
-        position = self._played()
-        if self._finish is not None:
-            self._finish.cancel()
-        self._segment, self._started_at, self._finish = 0.0, None, None
-        self.on_playback_finished(playback_position=position, interrupted=interrupted)
 
 
 @pytest.fixture(scope="module", params=[0.0, 150.0], ids=["fast-generation", "slow-generation"])
@@ -255,8 +83,8 @@ async def test_agent_session_speaks_through_orpheus_and_an_interruption_stops_it
 
     await session.start(agent)
     try:
-        await asyncio.wait_for(_until_true(lambda: bool(finished)), timeout=20)
-        await asyncio.wait_for(_until_true(lambda: slow_engine.stats()["active_streams"] == 0), timeout=1)
+        await asyncio.wait_for(until_true(lambda: bool(finished)), timeout=20)
+        await asyncio.wait_for(until_true(lambda: slow_engine.stats()["active_streams"] == 0), timeout=1)
     finally:
         await session.aclose()
 
@@ -270,11 +98,6 @@ async def test_agent_session_speaks_through_orpheus_and_an_interruption_stops_it
         assert stats["streams_started"] - started < STORY.count(".")  # later sentences were never requested
     reply = [item for item in agent.chat_ctx.items if item.type == "message" and item.role == "assistant"]
     assert reply and reply[0].interrupted
-
-
-async def _until_true(cond: Any) -> None:
-    while not cond():
-        await asyncio.sleep(0.01)
 
 
 async def test_both_streams_carry_every_word_once_in_order_timed_from_the_segments_start_without_tags(
@@ -302,22 +125,6 @@ async def test_both_streams_carry_every_word_once_in_order_timed_from_the_segmen
     assert timed[1][2].start_time >= first_s - 1e-6
 
 
-class TranscriptRecorder(Agent):
-    """An agent that notes the timed words its transcript is made of (what the TTS aligned)."""
-
-    def __init__(self) -> None:
-        super().__init__(instructions="You tell stories.")
-        self.timed: list[TimedString] = []
-
-    async def transcription_node(
-        self, text: AsyncIterable[str | TimedString], model_settings: ModelSettings
-    ) -> AsyncGenerator[str | TimedString, None]:
-        async for delta in text:
-            if isinstance(delta, TimedString):
-                self.timed.append(delta)
-            yield delta
-
-
 async def test_with_the_tts_aligned_transcript_an_interrupted_reply_keeps_the_words_played(
     slow_engine: OrpheusEngine,
 ) -> None:
@@ -342,8 +149,8 @@ async def test_with_the_tts_aligned_transcript_an_interrupted_reply_keeps_the_wo
 
     await session.start(agent)
     try:
-        await asyncio.wait_for(_until_true(lambda: bool(finished)), timeout=20)
-        await asyncio.wait_for(_until_true(lambda: _reply(agent) is not None), timeout=5)
+        await asyncio.wait_for(until_true(lambda: bool(finished)), timeout=20)
+        await asyncio.wait_for(until_true(lambda: _reply(agent) is not None), timeout=5)
     finally:
         await session.aclose()
         await synchronizer.aclose()

@@ -90,16 +90,23 @@ def uses(tree: ast.AST, names: set[str]) -> dict[str, list[int]]:
     return found
 
 
+# Each framework's adapter and the modules it is split into (pipecat_health.py, livekit_worker.py, ...).
+MODULES = {fw: sorted(p.stem for p in PACKAGE.glob(f"{fw}*.py")) for fw in UPSTREAM}
+
+
 @pytest.mark.parametrize("framework", ["pipecat", "livekit"])
 def test_the_adapter_touches_no_underscore_name_of_the_framework_beyond_the_known_list(framework: str):
-    module = _adapter(framework)
-    path = PACKAGE / f"{framework}.py"
-    tree = ast.parse(path.read_text(), str(path))
-    names = upstream_private_names(module, tree)
-    assert len(names) > 20, f"found only {sorted(names)}: the upstream classes were not read"
-    found = uses(tree, names)
+    found: dict[str, list[int]] = {}
+    for name in MODULES[framework]:
+        module = _adapter(name)
+        path = PACKAGE / f"{name}.py"
+        tree = ast.parse(path.read_text(), str(path))
+        names = upstream_private_names(module, tree)
+        assert len(names) > 20, f"{name}: found only {sorted(names)}: the upstream classes were not read"
+        for used, lines in uses(tree, names).items():
+            found.setdefault(used, []).extend(lines)
     known = {name for fw, name in KNOWN if fw == framework}
-    report = "\n".join(f"  {path.name}:{','.join(map(str, lines))}: {name}" for name, lines in sorted(found.items()))
+    report = "\n".join(f"  {framework}:{','.join(map(str, lines))}: {name}" for name, lines in sorted(found.items()))
     print(f"{framework}: {len(found)} underscore name(s) of the framework used\n{report}")
     assert set(found) <= known, f"underscore names of {framework} used:\n{report}"
     assert known <= set(found), f"no longer used, drop from KNOWN: {sorted(known - set(found))}"
@@ -116,7 +123,25 @@ def test_the_pipecat_settings_are_a_dataclass_of_tts_settings_with_every_samplin
     settings = pipecat.OrpheusTTSSettings
     assert is_dataclass(settings) and issubclass(settings, TTSSettings)
     assert set(SAMPLING_FIELDS) <= {f.name for f in fields(settings)}
-    tree = ast.parse(Path(pipecat.__file__).read_text())
+    tree = ast.parse(Path(inspect.getsourcefile(settings) or "").read_text())
     declared = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "OrpheusTTSSettings"]
     assert [ast.unparse(b) for b in declared[0].bases] == ["TTSSettings"]
     assert [ast.unparse(d) for d in declared[0].decorator_list] == ["dataclass"]
+
+
+def test_the_fenced_pipecat_behaviours_the_service_relies_on_are_still_upstream():
+    """Each Pipecat behaviour the service relies on without a public API (docs/frameworks.md), read from the installed
+    TTSService: this fails on the upstream change that would break its one fenced function."""
+    pytest.importorskip("orpheus_tts_plugin.pipecat")
+    from pipecat.services.tts_service import TTSService
+
+    from orpheus_tts_plugin.pipecat_health import _SILENT_CONTEXT
+
+    # pipecat_health.ServiceHealth.push_error: the per-context error of a silent context, by its text
+    outcome = inspect.getsource(TTSService._record_context_audio_outcome)
+    assert 'f"TTS context {context_id} completed with no audio"' in outcome
+    assert _SILENT_CONTEXT.fullmatch("TTS context 1a-2b completed with no audio")["context_id"] == "1a-2b"
+    # pipecat_health.ServiceHealth._restart_silence_count: set_usable(True) zeroes the count of silent contexts
+    assert "self._consecutive_zero_audio_contexts = 0" in inspect.getsource(TTSService.set_usable)
+    # pipecat.OrpheusTTSService._keep_context_open: create_context_id() refreshes the turn's audio context
+    assert "self._refresh_audio_context(self._turn_context_id)" in inspect.getsource(TTSService.create_context_id)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,11 +28,10 @@ from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.spec import ENGLISH
 from orpheus_tts_plugin.tools.loopback import free_port
 from orpheus_tts_plugin.weights import TOKENIZER, weight_sources
-from tests.servers import run_server
+from tests.servers import transformers_serve
 
 SPEC = ENGLISH
 BASE = SPEC.custom_token_base
-SERVER_START_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -46,26 +43,7 @@ def model_dir(test_model_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`transformers serve` with the test model on a free loopback port; its base URL."""
-    pytest.importorskip("fastapi", reason="needs transformers[serving]")
-    pytest.importorskip("uvicorn", reason="needs transformers[serving]")
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve-log") / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_PROXY": "127.0.0.1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "transformers.cli.transformers",
-        "serve",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-    ]
-    url = f"http://127.0.0.1:{port}"
-    with run_server(cmd, log_path, url, start_s=SERVER_START_S, env=env):
+    with transformers_serve(model_dir, tmp_path_factory.mktemp("serve-log") / "serve.log") as url:
         yield url
 
 

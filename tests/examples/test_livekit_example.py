@@ -125,3 +125,32 @@ def test_with_orpheus_server_url_the_simulated_job_speaks_in_a_job_process_throu
     assert spoken == 1  # the job spoke through the engine server, not a model of its own
     with wave.open(str(out)) as wav:
         assert wav.getnframes() > 0
+
+
+def test_start_and_dev_hand_the_agent_file_to_livekits_own_command_line(
+    model_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example's front door execs `python -m livekit.agents` (LiveKit's only public entry to its worker CLI):
+    the flags it passes must be among those LiveKit's `start` takes, or this fails on an upstream change."""
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
+    import livekit_cli
+
+    for name, value in {**model_env, "LIVEKIT_URL": "ws://127.0.0.1:9", "LIVEKIT_API_KEY": "k"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LIVEKIT_API_SECRET", "s")
+    execs: list[list[str]] = []
+
+    def execv(path: str, argv: list[str]) -> None:
+        execs.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(livekit_cli.os, "execv", execv)
+    for command in ("start", "dev"):
+        with pytest.raises(SystemExit):
+            livekit_cli.main(str(EXAMPLE), [command])
+    assert [argv[:5] for argv in execs] == [[sys.executable, "-m", "livekit.agents", "start", str(EXAMPLE)]] * 2
+    usage = subprocess.run(
+        [sys.executable, "-m", "livekit.agents", "start", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    flags = {word for argv in execs for word in argv[5:] if word.startswith("--")}
+    assert flags == {"--dev", "--log-format", "--log-level"} and all(flag in usage for flag in flags), usage

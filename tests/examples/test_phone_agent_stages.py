@@ -257,14 +257,6 @@ def speech_played_until(line: Line) -> float:
     return max(start + len(pcm) / mulaw.RATE for start, pcm in line.heard if pcm.strip(bytes([mulaw.SILENCE])))
 
 
-@pytest.fixture(scope="module")
-def question(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    """The caller's question (8 kHz μ-law), made from text by the example's fixture script (espeak-ng)."""
-    from examples.pipecat_phone_agent.make_fixtures import make_fixtures
-
-    return make_fixtures(tmp_path_factory.mktemp("caller-fixtures"))["question"]
-
-
 async def call_until_the_agent_hangs_up(ws_url: str, question: bytes) -> tuple[Line, float, float]:
     """Greeting, question, then listen until the agent closes the line: the line, when the question's speech
     ended and when the agent hung up."""

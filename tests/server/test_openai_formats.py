@@ -187,7 +187,7 @@ def fail_after_first_chunk(engine: OrpheusEngine, monkeypatch: pytest.MonkeyPatc
                 yield await anext(speech)
                 raise EngineError("injected: the engine failed mid-stream")
 
-        return Speech(speech.sentences, chunks(), speech.usage)
+        return Speech(speech.sentences, chunks(), usage=speech.usage)
 
     monkeypatch.setattr(engine, "synthesize", synthesize)
 

@@ -222,6 +222,17 @@ async def test_a_keyless_clients_auth_message_is_ignored_by_a_server_without_key
                 assert isinstance(message, bytes) or protocol.decode(message)["type"] == "status", message
 
 
+async def test_remote_engine_refuses_a_text_over_the_servers_limit_at_once_naming_it(guarded: ServerThread) -> None:
+    remote = RemoteEngine(guarded.url, api_key=KEY)
+    try:
+        await remote.start()  # its hello names the server's limit
+        with pytest.raises(ValueError, match=r"text of 205 characters is over the server's limit of 200 \(serve"):
+            remote.synthesize("word " * 41)
+        assert remote.stats().get("streams_started", 0) == 0
+    finally:
+        await remote.aclose()
+
+
 def test_keys_come_from_flags_a_file_and_the_environment(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# the team's keys\nfile-key\n\n  spaced  \n")

@@ -13,6 +13,7 @@ from orpheus_tts_plugin.server.serve import ServerThread
     [
         ('{"type": "start", "id": 1, "text": 3}', "TypeError"),
         ('{"type": "start", "id": 1, "text": "hi", "sampling": {"temp": 1}}', "TypeError"),
+        ('{"type": "start", "id": 1, "text": "hi", "speculative": 1}', "TypeError"),
         ('{"type": "start", "id": -1, "text": "hi"}', "ValueError"),
         ('{"type": "dance", "id": 1}', "ValueError"),
         ("not json", "ValueError"),

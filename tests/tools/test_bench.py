@@ -18,7 +18,7 @@ from orpheus_tts_plugin.cli import main as cli
 from orpheus_tts_plugin.snac import load_snac
 from orpheus_tts_plugin.spec import SAMPLES_PER_FRAME
 from orpheus_tts_plugin.tools.bench.engine import reference_decoder
-from orpheus_tts_plugin.tools.bench.figures import Utterance, capacity, play, summarize
+from orpheus_tts_plugin.tools.bench.figures import Utterance, capacity, capacity_lines, play, summarize
 from orpheus_tts_plugin.tools.bench.reference import ReferenceDecoder, reference_decode
 
 SECOND = 24_000  # samples
@@ -108,6 +108,17 @@ def test_capacity_is_the_largest_passing_concurrency_and_a_failure_below_it_is_r
 
 def _frames(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 4096, size=(n, 7))
+
+
+def test_the_capacity_summary_labels_each_figure() -> None:
+    points = [_point("constant", "reuse", 1, False), _point("constant", "reuse", 2, True)]
+    lines = capacity_lines({"options": {"ttfb_sla_ms": 250.0}, "capacity": capacity(points)})
+    assert lines[0].startswith("real-time capacity: the most concurrent streams whose point passed (")
+    assert "p95 TTFB <= 250 ms" in lines[0]
+    assert lines[1] == (
+        "  constant traffic, reuse (one connection per client process, reused): 2 streams; "
+        "first failing point: 1 streams (below the capacity: a noisy sweep)"
+    )
 
 
 def test_reference_decoder_emits_what_the_reference_emits(test_model_dir: Path) -> None:

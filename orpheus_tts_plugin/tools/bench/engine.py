@@ -301,8 +301,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = BenchOptions()
     p.add_argument("--backend", default=d.backend, help="hf | synthetic | trtllm | vllm | remote")
     p.add_argument("--model", default=d.model, help="model dir or hub id (synthetic: optional, for its tokenizer)")
-    p.add_argument("--snac", default=d.snac)
-    p.add_argument("--device", default=d.device)
+    p.add_argument("--snac", default=d.snac, help="hub id or local directory")
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--traffic", type=_list(str), default=d.traffic, help="constant, variable or constant,variable")
     p.add_argument("--streams", type=_list(int), default=d.streams, help="concurrency sweep, e.g. 1,2,4,8")
     p.add_argument("--rates", type=_list(float), default=d.rates, help="variable: arrivals/s instead of --streams")
@@ -320,7 +320,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttfb-sla-ms", type=float, default=d.ttfb_sla_ms, help="p95 TTFB limit for capacity")
     p.add_argument("--token-rate", dest="synthetic_rate", type=float, default=d.synthetic_rate, help="synthetic tok/s")
     p.add_argument("--budget-per-char", type=float, default=d.budget_per_char, help="tokens per character cap")
-    p.add_argument("--budget-base", type=int, default=d.budget_base)
+    p.add_argument(
+        "--budget-base", type=int, default=d.budget_base, help="an utterance's token budget besides --budget-per-char"
+    )
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help="hf: rows per step")
     p.add_argument(
         "--decode-ahead",
@@ -329,8 +331,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.decode_ahead_s,
         help="seconds ahead of real time beyond which a stream is decoded 4 frames a call; off: never",
     )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the traffic (texts, arrivals)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--json", default=None, help="write the result here and PNG plots beside it")
 
 

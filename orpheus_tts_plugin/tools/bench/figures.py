@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ...spec import SAMPLE_RATE
-from .common import print_rows, print_table, write_json
+from .common import print_rows, write_json
 
 # ------------------------------------------------------------------------------------------ player
 
@@ -216,19 +216,42 @@ def write_plots(result: dict[str, Any], json_path: str) -> list[str]:
     return paths
 
 
+# What each scheme of `load` and `bench engine` measures (the summary names it).
+SCHEMES = {
+    "reuse": "one connection per client process, reused",
+    "fresh": "a new connection per request",
+    "in-process": "the same engine in the client's process, no socket",
+    "project": "this project's decoder",
+    "reference": "the reference scheme: 4-frame windows, one stream at a time",
+    "null": "no SNAC: the engine alone",
+}
+
+
+def capacity_lines(result: dict[str, Any]) -> list[str]:
+    """The capacities as labelled lines, under a line saying what passing means."""
+    sla = result["options"]["ttfb_sla_ms"]
+    lines = [
+        "real-time capacity: the most concurrent streams whose point passed (every utterance finished, none "
+        f"underran or was refused, p95 TTFB <= {sla:g} ms)"
+    ]
+    for traffic, by_scheme in result["capacity"].items():
+        for scheme, cap in by_scheme.items():
+            line = f"  {traffic} traffic, {scheme} ({SCHEMES.get(scheme, scheme)}): {cap['streams']:g} streams"
+            if cap["rate_per_s"]:
+                line += f" at {cap['rate_per_s']:.3g} arrivals/s"
+            failure = cap["first_failure"]
+            if failure is not None:
+                noisy = " (below the capacity: a noisy sweep)" if failure < cap["streams"] else ""
+                line += f"; first failing point: {failure:g} streams{noisy}"
+            lines.append(line)
+    return lines
+
+
 def report(result: dict[str, Any], json_path: str | None) -> None:
     """Print the points and the capacities; write the JSON and, beside it, the plots."""
     print_rows(result["points"], COLUMNS)
     print()
-    print_table(
-        {
-            f"capacity {traffic} {scheme}": f"{cap['streams']:g} streams"
-            + (f" ({cap['rate_per_s']:.3g} arrivals/s)" if cap["rate_per_s"] else "")
-            + (f"; first failure at {cap['first_failure']:g}" if cap["first_failure"] is not None else "")
-            for traffic, by_scheme in result["capacity"].items()
-            for scheme, cap in by_scheme.items()
-        }
-    )
+    print("\n".join(capacity_lines(result)))
     if json_path:
         try:
             result["plots"] = write_plots(result, json_path)

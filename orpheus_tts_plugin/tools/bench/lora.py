@@ -26,12 +26,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model dir or hub id")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="default: 2 random ones")
     p.add_argument("--rank", type=int, default=16, help="rank of the random adapters")
-    p.add_argument("--batch", type=lambda s: tuple(int(x) for x in s.split(",")), default=(1, 4, 16))
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--batch",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=(1, 4, 16),
+        help="batch sizes, e.g. 1,4,16",
+    )
+    p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per point")
     p.add_argument("--static", action="store_true", help="the static-shape step (what CUDA graphs capture)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -123,6 +123,7 @@ class Service:
         received: float,
         key: str | None = None,
         hold: Callable[[Speculation], None] | None = None,
+        *,
         usage: Usage | None = None,
     ) -> AsyncGenerator[AudioChunk, None]:
         """The engine's chunks for `request`, counted; `received` is when the request arrived (perf_counter),

@@ -165,7 +165,7 @@ async def speech(request: Request, service: Service, key: str | None) -> Respons
     else:
         opening = asyncio.ensure_future(asyncio.to_thread(Encoder, req.format))
     usage = Usage()
-    chunks = service.speak(start, "http", received, key, usage)
+    chunks = service.speak(start, "http", received, key, usage=usage)
     try:
         first: AudioChunk | None = await chunks.__anext__()
     except StopAsyncIteration:  # nothing to say (text of tags or punctuation only): an empty, well-formed body

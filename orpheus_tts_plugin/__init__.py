@@ -9,8 +9,15 @@ __version__ = "0.1.0"
 
 from .config import EngineConfig, SamplingOverrides, SamplingParams, SyntheticConfig
 from .engine import OrpheusEngine
-from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError, ModelLoadError
-from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
+from .errors import (
+    EngineClosedError,
+    EngineError,
+    EngineFailedError,
+    EngineOverloadedError,
+    KeyRefusedError,
+    ModelLoadError,
+)
+from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions, Usage
 
 __all__ = [
     "AudioChunk",
@@ -19,6 +26,7 @@ __all__ = [
     "EngineError",
     "EngineFailedError",
     "EngineOverloadedError",
+    "KeyRefusedError",
     "ModelLoadError",
     "OrpheusEngine",
     "OrpheusTTSService",
@@ -29,6 +37,7 @@ __all__ = [
     "SpeechEngine",
     "SpeechOptions",
     "SyntheticConfig",
+    "Usage",
 ]
 
 

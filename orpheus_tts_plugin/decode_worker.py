@@ -26,7 +26,7 @@ from .errors import EngineError
 from .loop_thread import Outbox
 from .mailbox import Mailbox
 from .spec import SAMPLE_RATE
-from .types import AudioChunk
+from .types import AudioChunk, Usage
 
 if TYPE_CHECKING:
     from .decoder import DecodeState, FrameDecoder
@@ -53,9 +53,12 @@ class CallerStream:
         "speculation",
         "task",
         "taken",
+        "usage",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, speculation: Speculation | None = None):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, speculation: Speculation | None = None, usage: Usage | None = None
+    ):
         self.id = uuid.uuid4().hex
         self.loop = loop
         self.speculation = speculation  # a speculative stream's outcome and cost (any thread: its own lock)
@@ -68,6 +71,7 @@ class CallerStream:
         self.taken = 0  # samples the caller has taken (caller's loop writes; the engine loop reads)
         self.paused = False  # generation waits for the caller to read (engine loop writes; caller's loop reads)
         self.resumed: asyncio.Event | None = None  # set when the caller has caught up (engine loop only)
+        self.usage = usage if usage is not None else Usage()  # its tokens (the engine loop writes; see Usage)
 
     def unread_s(self) -> float:
         """Seconds of decoded audio on its way to the caller or waiting for it to take it."""

@@ -36,7 +36,7 @@ from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME, ModelSpec, spec_for, with_voic
 from .speculation import Speculation, SpeculationTally
 from .stretch import stretched
 from .text import split_sentences
-from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
+from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions, Usage
 from .voices import Voices
 
 if TYPE_CHECKING:
@@ -290,6 +290,7 @@ class OrpheusEngine:
         adapter: str | None = None,
         token_log: list[int] | None = None,
         speculative: bool = False,
+        usage: Usage | None = None,
         **overrides: float | int | None,
     ) -> Speech:
         """Speak `text`: a `Speech`, an async iterator of AudioChunk (the last with `final=True`) and its sentences.
@@ -307,7 +308,9 @@ class OrpheusEngine:
         or cancelling the task aborts the generation within one engine step. `token_log`, if given, receives every
         generated id, each utterance closed by the end-of-speech id: what `orpheus-tts decode` replays.
         `speculative`: a reply spoken before the caller's turn is confirmed; `Speech.confirm()` once it will be
-        played, else it counts as discarded (`stats()`: `speculative_*`). It is generated like any other.
+        played, else it counts as discarded (`stats()`: `speculative_*`). It is generated like any other. The
+        Speech's `usage` counts its prompt and generated ids (into `usage`, if given: what a server's route reads
+        after).
         """
         check_text_length(text, self.config.max_text_chars, "the engine's", remedy=TEXT_REMEDY)
         if not isinstance(speculative, bool):
@@ -315,10 +318,11 @@ class OrpheusEngine:
         options = SpeechOptions.chosen(options, self.check_options, voice, sampling, adapter, **overrides)
         pieces = self.sentences(text)
         speculation = self._speculations.open() if speculative else None
-        chunks = self._synthesize(pieces, options, token_log, speculation)
+        usage = Usage() if usage is None else usage
+        chunks = self._synthesize(pieces, options, token_log, speculation, usage)
         if options.speed != 1.0:  # after decoding, on the caller's loop (a tenth of a ms a chunk: stretch.py)
             chunks = stretched(chunks, options.speed)
-        return Speech(pieces, chunks, speculation)
+        return Speech(pieces, chunks, speculation, usage)
 
     def sentences(self, text: str) -> list[str]:
         """The sentences `synthesize(text)` speaks, one request each, in order (`AudioChunk.utterance` indexes them)."""
@@ -344,17 +348,23 @@ class OrpheusEngine:
         )
 
     async def _synthesize(
-        self, pieces: list[str], options: SpeechOptions, token_log: list[int] | None, speculation: Speculation | None
+        self,
+        pieces: list[str],
+        options: SpeechOptions,
+        token_log: list[int] | None,
+        speculation: Speculation | None,
+        usage: Usage,
     ) -> AsyncGenerator[AudioChunk, None]:
         if not pieces:
             return
         await self.start()
-        stream = CallerStream(asyncio.get_running_loop(), speculation)
+        stream = CallerStream(asyncio.get_running_loop(), speculation, usage)
         cloned = self._voices.get(options.voice)
         reference = () if cloned is None else self._voices.encode(cloned, self._tokenizer, self._encoder)
         requests = sentence_requests(
             stream.id, pieces, options, self._tokenizer, self.spec, self.config, reference=reference
         )
+        usage.input_tokens = sum(len(req.prompt_ids) for req, _ in requests)
         self._admit(stream)
         if speculation is not None:
             speculation.started()
@@ -468,6 +478,7 @@ class OrpheusEngine:
         finally:
             await tokens.aclose()
             utt.stream.frames += parser.frames_out
+            utt.stream.usage.output_tokens += n_tokens + (tokens.finish_reason == FinishReason.STOP)  # its end id
             self._count_utterance(parser, n_tokens, tokens.finish_reason, limit_kind)
         if token_log is not None:
             token_log.append(self.spec.end_of_speech)

@@ -21,6 +21,10 @@ class EngineFailedError(EngineError):
     """An engine thread died; the engine serves nothing more (`health()` says why)."""
 
 
+class KeyRefusedError(EngineError):
+    """A server refused this client's API key (none given, or one it does not hold); retrying cannot help."""
+
+
 class ModelLoadError(EngineError):
     """Weights, tokenizer or SNAC could not be loaded; the message says what is missing and how to get it."""
 

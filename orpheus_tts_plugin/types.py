@@ -109,11 +109,34 @@ class SpeechOptions:
         return given
 
 
+@dataclass
+class Usage:
+    """The tokens of one stream, as OpenAI's `usage` counts them: `input_tokens` the ids of its prompts (one a
+    sentence, a cloned voice's reference turn included), `output_tokens` the ids generated for it (each sentence's
+    end-of-speech id included). Written by the engine's loop as the stream goes; whole once its last chunk is out."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        """OpenAI's `usage` object."""
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
 class Speech:
     """One `synthesize` call: an async iterator of its AudioChunks that knows the sentences it speaks.
 
     `sentences[i]` is the text of the chunks whose `utterance` is i, split once, by the engine that speaks
-    them. Iterate it, or leave early with `aclose()` (which aborts the generation within one engine step).
+    them. `usage` counts its tokens (None where the engine cannot: a RemoteEngine's server keeps them).
+    Iterate it, or leave early with `aclose()` (which aborts the generation within one engine step).
     Like the async generator it replaced, it takes weak references (`__weakref__`).
 
     A speculative one (`synthesize(..., speculative=True)`: a reply spoken while the caller's turn is still being
@@ -121,15 +144,17 @@ class Speech:
     cancelled, left early or garbage-collected before that, it counts as discarded (the engine's `stats()`).
     """
 
-    __slots__ = ("_chunks", "_on_drop", "_speculation", "sentences", "__weakref__")
+    __slots__ = ("_chunks", "_on_drop", "_speculation", "sentences", "usage", "__weakref__")
 
     def __init__(
         self,
         sentences: Sequence[str],
         chunks: AsyncGenerator[AudioChunk, None],
         speculation: Speculation | None = None,
+        usage: Usage | None = None,
     ):
         self.sentences: tuple[str, ...] = tuple(sentences)
+        self.usage = usage
         self._chunks = chunks
         self._speculation = speculation
         # Dropped unsettled, it was discarded; the finalizer only queues that (no lock taken in a collection).

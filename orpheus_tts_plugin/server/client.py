@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import MAX_TEXT_CHARS, EngineConfig, SamplingOverrides, SamplingParams, check_text_length
-from ..errors import EngineClosedError, EngineError, EngineOverloadedError
+from ..errors import EngineClosedError, EngineError, EngineOverloadedError, KeyRefusedError
 from ..loop_thread import LoopThread, Outbox, SharedInstances
 from ..mailbox import Mailbox
 from ..spec import SAMPLE_RATE, SPECS, ModelSpec, spec_for
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 SETTLE_POLL_S = 0.01  # start(): how often it looks whether the servers not yet connected have failed once
 SETTLE_S = 0.5  # start(): how long, after the first server answered, the others have to answer too
+FAILOVER_POLL_S = 0.05  # a stream whose server was lost looks this often for another, until its deadline
 
 
 @dataclass(frozen=True)
@@ -58,17 +59,35 @@ class RemoteConfig:
 class _CallerStream:
     """One synthesize() call: created on the caller's loop; `box` is read there only."""
 
-    __slots__ = ("_to_box", "box", "closed", "conn", "loop", "sid", "speculation", "upstream")
+    __slots__ = (
+        "_to_box",
+        "box",
+        "closed",
+        "conn",
+        "deadline",
+        "heard",
+        "loop",
+        "request",
+        "sid",
+        "speculation",
+        "tried",
+        "upstream",
+    )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, speculation: Speculation | None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: protocol.Start, speculation: Speculation | None):
         self.loop = loop
+        self.request = request
         self.speculation = speculation  # a speculative stream's outcome (any thread: its own lock)
         self.box: Mailbox[AudioChunk] = Mailbox()
         self._to_box = to_mailbox(self.box)  # caller's loop only
         self.closed = False  # set by the caller when it leaves early; read on the connection's loop
-        self.upstream: Upstream | None = None  # the server it went to; connection's loop only
-        self.conn: Connection | PostedConnection | None = None  # connection's loop only
-        self.sid: int | None = None  # connection's loop only
+        # The rest belongs to the connection's loop.
+        self.upstream: Upstream | None = None  # the server it went to
+        self.conn: Connection | PostedConnection | None = None
+        self.sid: int | None = None  # None while it waits for a server to go to
+        self.heard = False  # some audio of it has come: it can go nowhere else now
+        self.tried: list[Connection | PostedConnection] = []  # connections lost under it before its first audio
+        self.deadline = 0.0  # the connection loop's time after which it goes to no other server
 
     def put(self, item: Item) -> None:
         """Runs on the caller's loop: hand `item` on, unless the caller already left."""
@@ -83,8 +102,10 @@ class RemoteEngine:
     `config` (`.model`, `.backend`) and `spec` (voices) behave as OrpheusEngine's do. Voices and
     sampling are checked locally: against the model family's voices until a server's hello, then
     against what the server said it accepts. A lost connection ends the calls it carried with an
-    EngineError at once and is re-opened with exponential backoff (jittered); server errors arrive as
-    the same exception classes (at capacity → EngineOverloadedError, bad input → ValueError/TypeError).
+    EngineError at once (a call with no audio yet goes to another live server instead, until
+    `connect_timeout_s` after it began) and is re-opened with exponential backoff (jittered); server errors
+    arrive as the same exception classes (at capacity → EngineOverloadedError, bad input →
+    ValueError/TypeError); a refused API key is KeyRefusedError, at once.
     Given several servers (all serving the same model), it keeps one connection to each and sends each
     new stream to the least-loaded one that serves; one that drops or drains gets no new streams.
     """
@@ -132,10 +153,13 @@ class RemoteEngine:
         # The rest belongs to the connection's loop (other threads only read the references).
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         posts = (ssl, key, connect_timeout_s) if keepalive_s is not None else (ssl, key, connect_timeout_s, None)
-        self._upstreams = tuple(Upstream(u, self._connect, backoff_s, self._adopt, posts) for u in urls)
+        self._upstreams = tuple(
+            Upstream(u, self._connect, backoff_s, self._adopt, posts, lambda _: self._connected.set()) for u in urls
+        )
         self._turn = 0  # round-robin among equally loaded servers
         self._open: set[_CallerStream] = set()
-        self._connected = asyncio.Event()  # set at each new connection and at shutdown: waiters look again
+        # Set at each new connection, each refused key and at shutdown: waiters look again.
+        self._connected = asyncio.Event()
         self._keepers: list[asyncio.Task[None]] = []
         self._waiters: set[asyncio.Task[Any]] = set()  # start()s waiting for a connection
         self._spread_once = False  # a start() has seen every server answer (or waited SETTLE_S for them)
@@ -197,9 +221,10 @@ class RemoteEngine:
 
     def stats(self) -> dict[str, Any]:
         """This process's streams (active_streams, started, completed, cancelled, failed, rejected), connects,
-        and each server's last status (`servers`, by URL; with one URL also `server`); `await server_stats()`
-        has a server's own counters. Its `speculative_*` count this process's speculative streams as
-        OrpheusEngine's do, with the audio received (not generated) and the time open as their cost."""
+        failovers (streams sent on to another server, theirs lost before their first audio), and each server's last
+        status (`servers`, by URL; with one URL also `server`); `await server_stats()` has a server's own counters.
+        Its `speculative_*` count this process's speculative streams as OrpheusEngine's do, with the audio received
+        (not generated) and the time open as their cost."""
         with self._lock:
             counters = dict(self._counters)
         streams = collections.Counter(s.upstream.url for s in list(self._open) if s.upstream is not None)
@@ -304,11 +329,11 @@ class RemoteEngine:
         if self._closed:
             raise EngineClosedError("RemoteEngine is closed")
         await self.start()
-        stream = _CallerStream(asyncio.get_running_loop(), speculation)
+        stream = _CallerStream(asyncio.get_running_loop(), request, speculation)
         if speculation is not None:
             speculation.listen(lambda settled: self._tell_server(stream, settled))
             speculation.started()
-        self._thread.call(self._begin, stream, request)
+        self._thread.call(self._begin, stream)
         self._count("streams_started")
         outcome = "streams_cancelled"
         received = 0
@@ -355,6 +380,16 @@ class RemoteEngine:
         """Connected to a server (to every one, if `every_server`)."""
         connected = (u.conn is not None for u in self._upstreams)
         return all(connected) if every_server else any(connected)
+
+    def _key_refusal(self, every_server: bool) -> str | None:
+        """Why waiting for a connection is pointless: each server it waits for refused the key (None: any may still
+        answer)."""
+        if self._reached(every_server):
+            return None
+        refused = [u for u in self._upstreams if u.conn is None and u.key_refused]
+        if not refused or not (every_server or len(refused) == len(self._upstreams)):
+            return None
+        return "; ".join(dict.fromkeys(str(u.last_error) for u in refused))
 
     def _why_down(self, unknown: str) -> str:
         """Why the servers not connected are not (`unknown` for one that has not failed yet)."""
@@ -436,6 +471,9 @@ class RemoteEngine:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
             while not (self._reached(every_server) and (self._settled() or self._spread_once)) and not self._closed:
+                refused = self._key_refusal(every_server)
+                if refused is not None:
+                    raise KeyRefusedError(refused)
                 if self._reached(every_server):  # the others get a short while to answer, then are left to retry
                     deadline = min(deadline, loop.time() + SETTLE_S)
                     if loop.time() >= deadline:
@@ -457,16 +495,30 @@ class RemoteEngine:
         finally:
             self._waiters.discard(waiter)
 
-    def _begin(self, stream: _CallerStream, request: protocol.Start) -> None:
+    def _begin(self, stream: _CallerStream) -> None:
+        stream.deadline = self._thread.loop.time() + self._connect_timeout_s
+        self._route(stream, None)
+
+    def _route(self, stream: _CallerStream, lost: EngineError | None) -> None:
+        """Send `stream` to the least loaded server it has not been lost on; `lost`: why its last server was lost
+        before its first audio (None: its first try). With none to go to, it fails at once on its first try; after
+        a loss it waits for one to (re)connect until its deadline, then fails with `lost`."""
         if stream.closed:
             return
-        upstream = choose(self._upstreams, self._turn)
+        fresh = [u for u in self._upstreams if u.conn is not None and u.conn not in stream.tried]
+        upstream = choose(fresh, self._turn)
         self._turn += 1
         if upstream is None:
-            self._post(stream, EngineError(f"connection to {self.config.url} lost: {self._why_down('')}"))
+            loop = self._thread.loop
+            if lost is None or self._closed or loop.time() >= stream.deadline:
+                self._open.discard(stream)
+                self._post(stream, lost or EngineError(f"connection to {self.config.url} lost: {self._why_down('')}"))
+            else:
+                loop.call_later(FAILOVER_POLL_S, self._route, stream, lost)
             return
         self._open.add(stream)
         stream.upstream = upstream
+        request = stream.request
         if request.speculative and not upstream.conn.hello.speculation:  # a server that would refuse a confirm
             request = replace(request, speculative=False)
         stream.conn, stream.sid = upstream.start(request, lambda item: self._arrive(stream, item))
@@ -479,8 +531,8 @@ class RemoteEngine:
             self._thread.call(self._settle, stream, outcome)
 
     def _settle(self, stream: _CallerStream, outcome: str) -> None:
-        """Send `confirm`, or the `cancel` that discards a stream that is over (once; not before it began: `_begin`
-        sends a confirm that came first)."""
+        """Send `confirm`, or the `cancel` that discards a stream that is over (once; not before it began: `_route`
+        sends a confirm that came first, or while it waited for another server)."""
         if stream.conn is None or stream.sid is None:
             return
         if outcome == CONFIRMED:
@@ -489,10 +541,31 @@ class RemoteEngine:
             stream.conn.cancel(stream.sid)
 
     def _arrive(self, stream: _CallerStream, item: Item) -> None:
+        if self._lost_before_audio(stream, item):
+            stream.upstream.ended(stream.conn, stream.sid)
+            stream.tried.append(stream.conn)
+            stream.sid = None
+            self._count("failovers")
+            self._route(stream, item)
+            return
+        if isinstance(item, AudioChunk):
+            stream.heard = True
         if not isinstance(item, AudioChunk) or item.final:
             self._open.discard(stream)
             stream.upstream.ended(stream.conn, stream.sid)
         self._post(stream, item)
+
+    def _lost_before_audio(self, stream: _CallerStream, item: Item) -> bool:
+        """`item` ends `stream` because its server was lost (its connection closed, or a post found nothing at the
+        address) before any of its audio came, while it may still go elsewhere: nothing of it was heard, so it can."""
+        return (
+            type(item) is EngineError
+            and not stream.heard
+            and stream.conn is not None
+            and stream.conn.closed.done()
+            and not self._closed
+            and self._thread.loop.time() < stream.deadline
+        )
 
     def _cancel(self, stream: _CallerStream) -> None:
         self._open.discard(stream)
@@ -512,4 +585,7 @@ class RemoteEngine:
         self._connected.set()  # waiting callers see _closed
         if self._waiters:
             await asyncio.wait(self._waiters, timeout=CLOSE_TIMEOUT_S)
+        for stream in [s for s in self._open if s.sid is None]:  # lost its server, waiting for another
+            self._open.discard(stream)
+            self._post(stream, EngineClosedError("RemoteEngine closed"))
         self._flush()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import EngineError, missing_extra
+from ..errors import EngineError, KeyRefusedError, missing_extra
 from ..types import AudioChunk
 
 try:
@@ -48,6 +48,13 @@ def endpoint(url: str) -> tuple[str, str | None]:
         raise ValueError(f"url must be ws://HOST:PORT, wss://…, http(s)://… or unix:/PATH, got {url!r}")
     path = parts.path if parts.path not in ("", "/") else protocol.WS_PATH
     return urlunsplit((scheme, parts.netloc, path, parts.query, "")), None
+
+
+def _refused(url: str, reason: str, api_key: str | None) -> str:
+    """The one line that says a server refused the key, and what to do."""
+    if api_key is None:
+        return f"{url} needs an API key and none was given ({reason}): pass api_key= or set ${API_KEY_ENV}"
+    return f"{url} refused the API key given ({reason}): pass one of the keys it was started with (serve --api-key)"
 
 
 def to_mailbox(box: Mailbox[AudioChunk]) -> Deliver:
@@ -145,6 +152,8 @@ class Connection:
         async def handshake() -> tuple[ClientConnection, protocol.Hello, dict[str, Any]]:
             ws = await (unix_connect(path, uri, **options) if path else connect(uri, **options))
             try:
+                if api_key is None:  # says so at once: a server with keys would wait for an auth message
+                    await ws.send(protocol.encode(protocol.auth(None)))
                 hello = protocol.Hello.parse(protocol.decode(await ws.recv()))
                 status = protocol.decode(await ws.recv())  # the server sends its status right after
                 if status["type"] != "status":
@@ -156,12 +165,15 @@ class Connection:
 
         try:
             ws, hello, status = await asyncio.wait_for(handshake(), timeout_s)
+        except ConnectionClosed as exc:
+            if exc.rcvd is not None and exc.rcvd.code == protocol.CLOSE_KEY_REFUSED:
+                raise KeyRefusedError(_refused(url, exc.rcvd.reason, api_key)) from None
+            raise EngineError(f"cannot connect to {url}: {type(exc).__name__}: {exc}") from exc
         except (
             OSError,
             asyncio.TimeoutError,
             InvalidHandshake,
             InvalidURI,
-            ConnectionClosed,
             protocol.ProtocolError,
         ) as exc:
             raise EngineError(f"cannot connect to {url}: {type(exc).__name__}: {exc}") from exc

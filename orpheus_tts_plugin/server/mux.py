@@ -92,7 +92,7 @@ class Mux:
             return True
         self.service.metrics.auth_failures.labels("ws").inc()
         with contextlib.suppress(Exception):  # the client may be gone already
-            await self.ws.close(code=1008, reason=why)
+            await self.ws.close(code=protocol.CLOSE_KEY_REFUSED, reason=why)
         return False
 
     async def _auth_message(self, timeout_s: float) -> str | None:
@@ -114,6 +114,8 @@ class Mux:
             message = protocol.decode(text)
             policy.check_depth(message)
             kind = message["type"]
+            if kind == "auth":  # a key-less client says it has none; past authentication there is nothing to do
+                return
             if kind == "stats":
                 self.send(protocol.encode({"type": "stats", "req": message.get("req"), "stats": self.service.stats()}))
                 return

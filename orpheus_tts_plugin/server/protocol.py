@@ -5,6 +5,8 @@ One WebSocket (`WS_PATH`) carries many streams at once, each named by a stream i
 
 - server → client, first: `hello` (protocol version, model, voices, sampling defaults, max_streams), so
   that the client checks voices and sampling values itself without a round trip, then `status`;
+- client → server, first where the server has keys and the client sent no `Authorization` header: `auth` {key}
+  (null: it has none, refused at once; a server without keys ignores it);
 - client → server: `start` {id, text, voice, sampling, speed, speculative} and `cancel` {id}; `stats` {req} asks
   for the server's counters; `confirm` {id} confirms a speculative stream (its audio will be played), and a
   `cancel` of one that is over but not confirmed discards it (a server whose hello says `speculation` counts
@@ -41,6 +43,7 @@ HEADER = struct.Struct("<IBI")  # stream id, flags, sentence index: 9 bytes befo
 FINAL = 0x01  # the stream's last frame
 UTTERANCE_END = 0x02  # the last frame of a sentence (AudioChunk.utterance_end)
 MAX_STREAM_ID = 2**32 - 1
+CLOSE_KEY_REFUSED = 1008  # the WebSocket close code of a missing or wrong API key (policy violation)
 
 # The exception classes that cross the wire by name; anything else arrives as EngineError.
 ERRORS: dict[str, type[Exception]] = {
@@ -145,6 +148,12 @@ class Start:
             raise TypeError(f"speculative must be a bool, got {type(speculative).__name__}")
         speed = check_speed(message.get("speed", 1.0))
         return cls(text, voice, SamplingOverrides.of(**sampling), adapter, speed, speculative)
+
+
+def auth(key: str | None) -> dict[str, Any]:
+    """The `auth` message: a client's key when it cannot send a header; `None`: it has none (a server with keys then
+    refuses at once rather than wait for one; one without keys ignores it)."""
+    return {"type": "auth", "key": key}
 
 
 def cancel(sid: int) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from ..engine import OrpheusEngine
 from ..errors import EngineError, EngineOverloadedError
 from ..spec import SAMPLE_RATE
 from ..speculation import Speculation
-from ..types import AudioChunk
+from ..types import AudioChunk, Usage
 from . import protocol
 from .metrics import Metrics
 from .policy import LimitError, Policy, StreamLimitError
@@ -123,11 +123,14 @@ class Service:
         received: float,
         key: str | None = None,
         hold: Callable[[Speculation], None] | None = None,
+        *,
+        usage: Usage | None = None,
     ) -> AsyncGenerator[AudioChunk, None]:
         """The engine's chunks for `request`, counted; `received` is when the request arrived (perf_counter),
         `key` the API key it came with (its streams are counted against `Policy.streams_per_key`). A speculative
         request is spoken as one only where its client can confirm it (`hold` given): `hold` then takes its
-        speculation, to settle when the client says (its stream ending early still discards it)."""
+        speculation, to settle when the client says (its stream ending early still discards it). `usage`: what the
+        engine counts the stream's tokens into (`Speech.usage`)."""
         m = self.metrics
         m.requests.labels(transport).inc()
         held = False
@@ -149,6 +152,7 @@ class Service:
                 adapter=request.adapter,
                 speed=request.speed,
                 speculative=request.speculative and hold is not None,
+                usage=usage,
             )
             if chunks.speculative:
                 hold(chunks.take_speculation())

@@ -1,16 +1,18 @@
 """`POST /v1/audio/speech`, compatible with OpenAI's: JSON in, audio streamed out with chunked transfer.
 
-Every OpenAI `response_format` (mp3 by default, opus, aac, flac, wav, pcm: `encoders.py`), each chunk encoded as
-it arrives; `stream_format: "sse"` sends the same bytes as base64 `speech.audio.delta` events, then one
-`speech.audio.done` with `usage`. `speed` is stretched by the engine (pitch kept); `instructions` are accepted and
-ignored (Orpheus takes emotion tags in the text), said once in the log and in every response's
-`X-Orpheus-Instructions` header. OpenAI's voice names map onto the model's voices (`VOICE_ALIASES`, overridden by
-`serve --voice-alias NAME=VOICE`).
+Every OpenAI `response_format` (mp3 by default, opus, aac, flac, wav, pcm: `encoders.py`), each chunk encoded as it
+arrives; `stream_format: "sse"` sends the same bytes as base64 `speech.audio.delta` events, then one
+`speech.audio.done` with `usage` (the prompt's and the generated ids, `types.Usage`). `speed` is stretched by the
+engine (pitch kept); `instructions` are accepted and ignored (Orpheus takes emotion tags in the text), said once in
+the log and in every response's `X-Orpheus-Instructions` header. OpenAI's voice names map onto the model's voices
+(`VOICE_ALIASES`, overridden by `serve --voice-alias NAME=VOICE`).
 
-The response starts once the first audio exists, so that a refusal (bad input 400, overloaded or
-draining 503) is a status code, not a broken stream. A client that closes the connection aborts the
-engine request (Starlette cancels the response task on `http.disconnect`); one that stops reading has
-its generation paused by the engine and, past `slow_consumer_timeout_s` without taking a chunk, its
+The response starts once the first audio exists, so that a refusal (bad input 400, overloaded or draining 503) is a
+status code, not a broken stream. An engine failure after that ends an SSE stream with an `error` event (OpenAI's
+error object under "error", the shape the `openai` SDK raises APIError for) and an audio stream with a truncated
+body (the connection closes before the chunked body's end), which HTTP clients raise on. A client that closes the
+connection aborts the engine request (Starlette cancels the response task on `http.disconnect`); one that stops
+reading has its generation paused by the engine and, past `slow_consumer_timeout_s` without taking a chunk, its
 connection cut (the response is left incomplete, so the client sees a truncated body, not a clean end).
 """
 
@@ -31,11 +33,11 @@ from starlette.types import Message, Send
 
 from ..config import SAMPLING_FIELDS, SamplingOverrides, check_speed
 from ..errors import EngineError
-from ..spec import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
-from ..types import AudioChunk
+from ..spec import SAMPLE_RATE
+from ..types import AudioChunk, Usage
 from . import protocol
 from .encoders import DEFAULT_FORMAT, FORMATS, AudioFormat, Encoder
-from .http_errors import error_response
+from .http_errors import error_object, error_response
 from .policy import LimitError, Policy
 from .service import Service
 
@@ -162,7 +164,8 @@ async def speech(request: Request, service: Service, key: str | None) -> Respons
         opening.set_result(Encoder(req.format))
     else:
         opening = asyncio.ensure_future(asyncio.to_thread(Encoder, req.format))
-    chunks = service.speak(start, "http", received, key)
+    usage = Usage()
+    chunks = service.speak(start, "http", received, key, usage=usage)
     try:
         first: AudioChunk | None = await chunks.__anext__()
     except StopAsyncIteration:  # nothing to say (text of tags or punctuation only): an empty, well-formed body
@@ -179,7 +182,7 @@ async def speech(request: Request, service: Service, key: str | None) -> Respons
         await chunks.aclose()
         raise
     media_type = SSE_CONTENT_TYPE if req.sse else req.format.content_type
-    body = _sse(encoder, first, chunks, start.speed) if req.sse else _audio(encoder, first, chunks)
+    body = _sse(encoder, first, chunks, usage) if req.sse else _audio(encoder, first, chunks)
     return _DeadlineStreamingResponse(service, body, media_type=media_type, headers=headers)
 
 
@@ -213,6 +216,8 @@ class _DeadlineStreamingResponse(StreamingResponse):
         except TimeoutError:
             self._service.metrics.slow_consumers.inc()
             log.warning("slow consumer: an HTTP client read no audio for %g s; its stream ends", timeout)
+        except EngineError as exc:  # counted by Service.speak; the body is left incomplete: the client sees it failed
+            log.warning("an HTTP audio stream failed after its first audio (its body ends truncated): %s", exc)
         finally:
             await self._body.aclose()
 
@@ -254,19 +259,20 @@ async def _audio(
 
 
 async def _sse(
-    encoder: Encoder, first: AudioChunk | None, rest: AsyncGenerator[AudioChunk, None], speed: float
+    encoder: Encoder, first: AudioChunk | None, rest: AsyncGenerator[AudioChunk, None], usage: Usage
 ) -> AsyncGenerator[bytes, None]:
     """The body of `stream_format: sse`, as OpenAI's API reference has it: `speech.audio.delta` events with the
-    encoded bytes in base64 `audio`, then one `speech.audio.done` with `usage` (output tokens: the audio frames'
-    7 tokens each, counted from the samples before the `speed` stretch; input tokens are not counted here)."""
-    samples = 0
-    async with contextlib.aclosing(_encoded(encoder, first, rest)) as pieces:
-        async for data, so_far in pieces:
-            samples = so_far
-            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
-    output_tokens = -(-round(samples * speed) // SAMPLES_PER_FRAME) * TOKENS_PER_FRAME
-    usage = {"input_tokens": 0, "output_tokens": output_tokens, "total_tokens": output_tokens}
-    yield _event({"type": "speech.audio.done", "usage": usage})
+    encoded bytes in base64 `audio`, then one `speech.audio.done` with the stream's `usage`; or, if the engine fails
+    on the way, an `error` event and nothing after it."""
+    try:
+        async with contextlib.aclosing(_encoded(encoder, first, rest)) as pieces:
+            async for data, _ in pieces:
+                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+    except (EngineError, ValueError, TypeError) as exc:  # counted by Service.speak
+        log.warning("an SSE speech stream failed after its first audio: %s", exc)
+        yield _event({"type": "error", "error": error_object(exc)})
+        return
+    yield _event({"type": "speech.audio.done", "usage": usage.as_dict()})
 
 
 def _event(message: dict[str, Any]) -> bytes:

@@ -1,8 +1,9 @@
 """The servers of a RemoteEngine: each one's connection, kept up by itself, and the choice of where a new stream goes.
 
-A server is left for new streams the moment its connection drops, and once its pushed `status` says it
-drains or its engine does not serve (the server checks its status every `app.STATUS_INTERVAL_S`). A server behind
-Ray Serve's proxy keeps no connection: after its hello, its streams are posted (`stream_posts.PostedConnection`).
+A server is left for new streams the moment its connection drops (until it says hello again), and once its pushed
+`status` says it drains or its engine does not serve (the server checks its status every `app.STATUS_INTERVAL_S`).
+A server behind Ray Serve's proxy keeps no connection: after its hello, its streams are posted
+(`stream_posts.PostedConnection`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..errors import EngineError
+from ..errors import EngineError, KeyRefusedError
 from . import protocol
 from .connection import Connection, Deliver, endpoint
 from .routing import least_loaded
@@ -65,14 +66,17 @@ class Upstream:
         backoff_s: tuple[float, float],
         on_up: Callable[[Upstream, Connection], None],
         posts_options: tuple[Any, ...] = (None, None, 5.0),
+        on_refused: Callable[[Upstream], None] | None = None,
     ):
         """`posts_options`: StreamPosts' (ssl, api_key, connect_timeout_s[, silence_s]), for a server that asks for
-        posts."""
+        posts; `on_refused`: called when the server refuses the key (waiting for it is then pointless)."""
         self.url = url
         self.conn: Connection | PostedConnection | None = None  # None while not connected
         self.status: dict[str, Any] = {}  # the server's last `status` message
         self.last_error: str | None = None  # why the last connection attempt failed or the connection closed
         self.connects = 0
+        self.key_refused = False  # its last connection attempt was refused for the key (`last_error` says why)
+        self._on_refused = on_refused
         self._connect = connect
         self._backoff = backoff_s
         self._on_up = on_up  # called with each new connection, once it is this Upstream's
@@ -99,6 +103,9 @@ class Upstream:
                     conn = await self._posted(conn)
             except EngineError as exc:
                 self.last_error = str(exc)
+                self.key_refused = isinstance(exc, KeyRefusedError)
+                if self.key_refused and self._on_refused is not None:
+                    self._on_refused(self)
                 with contextlib.suppress(asyncio.TimeoutError):  # the backoff, cut short by stop()
                     await asyncio.wait_for(self._stopping.wait(), delay * random.uniform(0.8, 1.2))
                 delay = min(2 * delay, longest)
@@ -107,6 +114,7 @@ class Upstream:
                 self._orphan = conn
                 return
             delay = first
+            self.key_refused = False
             self.status, self.conn = conn.status, conn
             self._unreported.clear()
             self.connects += 1

@@ -4,15 +4,19 @@ decoded back to the engine's audio, `stream_format: sse`, `speed`, `instructions
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
 
 import av
 import numpy as np
 import pytest
 
-from orpheus_tts_plugin import EngineConfig
+from orpheus_tts_plugin import AudioChunk, EngineConfig, EngineError, OrpheusEngine, Speech
+from orpheus_tts_plugin.backends import make_tokenizer
+from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.server.policy import Policy
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.spec import SAMPLE_RATE
@@ -131,14 +135,91 @@ async def test_no_response_format_is_mp3_as_openai_has_it(served: ServerThread) 
     assert_decodes_to(decoded(body, "mp3"), await pcm_of(engine_of(served), voice="tara", seed=3), "mp3")
 
 
+async def sse_events(served: ServerThread, **body: object) -> list[dict[str, Any]]:
+    """The events of an SSE speech request, as the openai SDK's own SSE reader parses them (it raises APIError at an
+    `error` event)."""
+    from openai import AsyncOpenAI, AsyncStream
+
+    client = AsyncOpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0)
+    request = {"model": "orpheus", "input": TEXT, "seed": 3, "stream_format": "sse", **body}
+    try:
+        events = await client.post(
+            "/audio/speech", cast_to=object, body=request, stream=True, stream_cls=AsyncStream[dict[str, Any]]
+        )
+        return [event async for event in events]
+    finally:
+        await client.close()
+
+
 async def test_sse_sends_base64_audio_deltas_then_one_done_with_usage(served: ServerThread) -> None:
     headers, body = await post(served, voice="tara", response_format="flac", stream_format="sse")
     assert headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: ")]
     assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1) and len(events) > 2
-    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
+    assert events[-1]["type"] == "speech.audio.done"
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert_decodes_to(decoded(audio, "flac"), await pcm_of(engine_of(served), voice="tara", seed=3), "flac")
+
+
+async def test_sse_usage_counts_the_prompts_ids_and_the_generated_ids(served: ServerThread) -> None:
+    engine = engine_of(served)
+    # At speed 2 the audio's samples say half the tokens: usage must not be read off the audio.
+    events = await sse_events(served, voice="tara", response_format="pcm", speed=2.0)
+    assert [e["type"] for e in events[-1:]] == ["speech.audio.done"]
+    generated: list[int] = []
+    speech = engine.synthesize(TEXT, voice="tara", seed=3, token_log=generated)
+    assert [c async for c in speech][-1].final
+    tokenizer = make_tokenizer(engine.config)  # the engine's own
+    prompts = sum(len(prompt_ids(tokenizer, engine.spec, text, "tara")) for text in speech.sentences)
+    usage = {"input_tokens": prompts, "output_tokens": len(generated), "total_tokens": prompts + len(generated)}
+    assert events[-1]["usage"] == usage == speech.usage.as_dict()  # every id made, end-of-speech ids included
+
+
+def fail_after_first_chunk(engine: OrpheusEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on, each stream of `engine` fails after its first chunk, as one whose engine faults mid-stream."""
+    speak = engine.synthesize
+
+    def synthesize(*args: Any, **kwargs: Any) -> Speech:
+        speech = speak(*args, **kwargs)
+
+        async def chunks() -> AsyncGenerator[AudioChunk, None]:
+            async with contextlib.aclosing(speech):
+                yield await anext(speech)
+                raise EngineError("injected: the engine failed mid-stream")
+
+        return Speech(speech.sentences, chunks(), usage=speech.usage)
+
+    monkeypatch.setattr(engine, "synthesize", synthesize)
+
+
+@pytest.mark.usefixtures("one_pace")
+async def test_an_engine_failure_mid_sse_ends_it_with_openais_error_event(
+    served: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from openai import APIError
+
+    fail_after_first_chunk(engine_of(served), monkeypatch)
+    headers, body = await post(served, voice="tara", response_format="pcm", stream_format="sse")
+    events = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["speech.audio.delta", "error"]
+    assert events[-1]["error"] == {
+        "message": "injected: the engine failed mid-stream",
+        "type": "server_error",
+        "param": None,
+        "code": "EngineError",
+    }
+    with pytest.raises(APIError, match="injected: the engine failed mid-stream"):
+        await sse_events(served, voice="tara", response_format="pcm")
+
+
+@pytest.mark.usefixtures("one_pace")
+async def test_an_engine_failure_mid_audio_ends_the_body_truncated_which_the_openai_sdk_raises(
+    served: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fail_after_first_chunk(engine_of(served), monkeypatch)
+    with pytest.raises(Exception, match="incomplete chunked read") as raised:  # noqa: PT011 - the SDK's HTTP library's
+        await post(served, voice="tara", response_format="pcm")
+    assert type(raised.value).__name__ == "RemoteProtocolError"  # httpx's (openai < 3) or httpx2's
 
 
 @pytest.mark.usefixtures("one_pace")

@@ -25,8 +25,8 @@ from websockets.exceptions import ConnectionClosed
 
 from orpheus_tts_plugin import (
     EngineConfig,
-    EngineError,
     EngineOverloadedError,
+    KeyRefusedError,
     OrpheusEngine,
     RemoteEngine,
     SamplingOverrides,
@@ -183,13 +183,43 @@ async def test_a_websocket_without_a_valid_key_is_closed_with_1008(guarded: Serv
     assert metric(guarded, "orpheus_auth_failures_total") == before + 1
 
 
-async def test_remote_engine_with_a_wrong_key_fails_in_one_line_naming_the_key(guarded: ServerThread) -> None:
-    remote = RemoteEngine(guarded.url, api_key="wrong", connect_timeout_s=1.0)
+@pytest.mark.parametrize(
+    "key, says",
+    [(None, "needs an API key and none was given .no API key given.: pass api_key= or set .ORPHEUS_API_KEY"),
+     ("wrong", "refused the API key given .the API key is not valid.")],
+    ids=["no key", "wrong key"],
+)  # fmt: skip
+async def test_remote_engine_without_its_key_fails_at_once_in_one_line_naming_the_key(
+    guarded: ServerThread, key: str | None, says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ORPHEUS_API_KEY", raising=False)
+    before = metric(guarded, "orpheus_auth_failures_total")
+    remote = RemoteEngine(guarded.url, api_key=key, connect_timeout_s=60.0)
+    started = time.monotonic()
     try:
-        with pytest.raises(EngineError, match="API key is not valid"):
+        with pytest.raises(KeyRefusedError, match=f"^{guarded.url} {says}") as refused:
             await remote.start()
+        assert time.monotonic() - started < 30  # not the connect timeout: the first refusal says it all
+        assert "\n" not in str(refused.value)
+        with pytest.raises(KeyRefusedError):  # a call says the same
+            await anext(remote.synthesize(TEXT))
     finally:
         await remote.aclose()
+    assert metric(guarded, "orpheus_auth_failures_total") >= before + 1
+
+
+async def test_a_keyless_clients_auth_message_is_ignored_by_a_server_without_keys(
+    synthetic_config: EngineConfig,
+) -> None:
+    with serving_in_thread(OrpheusEngine(synthetic_config)) as srv:
+        async with raw_ws(srv, key=None) as ws:
+            await ws.send(protocol.encode(protocol.auth(None)))  # what RemoteEngine sends when it has no key
+            assert (await next_of(ws, "hello"))["protocol"] == protocol.PROTOCOL_VERSION
+            await ws.send(start(1))
+            while not isinstance(message := await asyncio.wait_for(ws.recv(), 30), bytes) or not (
+                message[4] & protocol.FINAL
+            ):
+                assert isinstance(message, bytes) or protocol.decode(message)["type"] == "status", message
 
 
 async def test_remote_engine_refuses_a_text_over_the_servers_limit_at_once_naming_it(guarded: ServerThread) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import threading
 import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, replace
@@ -388,5 +389,32 @@ async def test_a_cancelled_start_leaves_the_remote_engine_as_it_was(config: Engi
             await remote.start()
             assert remote.health()["status"] == "ok"
             assert (await heard(remote.synthesize(TEXT)))[-1].final
+        finally:
+            await remote.aclose()
+
+
+async def test_a_server_killed_while_idle_costs_no_stream_a_burst_right_after_all_speak(
+    test_model_dir: Path, tmp_path: Path, speed: float
+) -> None:
+    ports = [free_port() for _ in range(3)]
+    urls = [f"ws://127.0.0.1:{port}" for port in ports]
+    args = [serve_args(test_model_dir / "snac", port, speed) for port in ports]
+    with serve_processes(args, tmp_path / "serve.log") as procs:
+        remote = await connected(urls, connect_timeout_s=2.0, backoff_s=(0.05, 0.5))
+        try:
+            # The client hears of an idle server's death only from its socket's close, which races new streams. The
+            # race is made certain: the client's connection loop is held (no public hook exists for that) while the
+            # server dies and the burst is handed to it, so it routes the burst before it reads the close.
+            held = threading.Event()
+            remote._thread.loop.call_soon_threadsafe(held.wait, 30)
+            procs[1].kill()  # no stream on it
+            procs[1].wait()
+            burst = [asyncio.create_task(heard(remote.synthesize(TEXT, seed=i))) for i in range(12)]
+            await until(lambda: remote.stats().get("streams_started", 0) == 12)
+            held.set()
+            done = await asyncio.gather(*burst)
+            assert all(chunks[-1].final for chunks in done)
+            assert remote.stats()["failovers"] == 4  # the dead server's share of the burst, each sent on once
+            assert not seen(remote, urls[1])["connected"]
         finally:
             await remote.aclose()

@@ -26,32 +26,44 @@ from .http_stream import http_stream
 from .mux import Mux
 from .policy import Policy, bearer
 from .service import Service
+from .voice_store import VoiceStore, VoiceStoreError
 from .speech import speech
 
 STATUS_INTERVAL_S = 0.25  # how often load changes are pushed to WebSocket clients
 
 
 def create_app(
-    engine: OrpheusEngine, *, own_engine: bool = True, policy: Policy | None = None, replica: str | None = None
+    engine: OrpheusEngine,
+    *,
+    own_engine: bool = True,
+    policy: Policy | None = None,
+    replica: str | None = None,
+    voice_store: VoiceStore | None = None,
 ) -> FastAPI:
     """An app serving `engine` under `policy` (keys, limits); it starts loading the engine on start-up and, if
     `own_engine`, closes it on exit. `replica`: its name among the replicas behind a balancing proxy (Ray
-    Serve): every HTTP response then says it (X-Orpheus-Replica), as does every WebSocket hello.
+    Serve): every HTTP response then says it (X-Orpheus-Replica), as does every WebSocket hello. `voice_store`:
+    the cloned voices it shares with the deployment's other servers (`shared_voices`; default: its own memory).
 
     `app.state.service` is the `Service` (drain, readiness, metrics) that `serve.py` drives.
     """
-    service = Service(engine, policy, replica)
+    service = Service(engine, policy, replica, voice_store)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.prewarm()  # /ready says "starting" until it has loaded
-        publisher = asyncio.create_task(service.publish_changes(STATUS_INTERVAL_S), name="orpheus-status")
+        with contextlib.suppress(VoiceStoreError):  # the stored voices before the first hello (else run() retries)
+            await service.voices.sync()
+        tasks = [
+            asyncio.create_task(service.publish_changes(STATUS_INTERVAL_S), name="orpheus-status"),
+            asyncio.create_task(service.voices.run(), name="orpheus-voices"),
+        ]
         try:
             yield
         finally:
-            publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await publisher
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             if own_engine:
                 await engine.aclose()
 
@@ -84,7 +96,7 @@ def create_app(
     @app.get("/v1/voices")
     async def voice_list() -> Response:
         """Stock voices, then cloned ones (with their length and transcript)."""
-        return voices.listing(service)
+        return await voices.listing(service)
 
     @app.post("/v1/voices")
     async def voice_add(request: Request) -> Response:
@@ -92,7 +104,7 @@ def create_app(
 
     @app.delete("/v1/voices/{name}")
     async def voice_remove(name: str) -> Response:
-        return voices.remove(name, service)
+        return await voices.remove(name, service)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -30,6 +30,7 @@ from ..errors import missing_extra
 from ..interrupt import end_interrupted
 from ..preflight import check_before_load
 from .policy import KEYS_ENV, Policy, load_keys
+from .voice_store import DirectoryVoiceStore, VoiceStore
 
 if TYPE_CHECKING:
     import uvicorn
@@ -83,6 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--voice-alias", action="append", default=[], metavar="NAME=VOICE",
         help="the OpenAI route speaks voice NAME (e.g. alloy) with the model's VOICE; repeatable; overrides the "
         "default table (docs/serving.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--voices-dir", default=None, metavar="DIR",
+        help="keep cloned voices in this folder, shared by every server given it: a voice added on one is spoken "
+        "by all (default: each server's own memory; on Ray Serve, the cluster's registry; docs/serving.md)",
     )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface; set a key)")
     p.add_argument("--port", type=int, default=8880, help="TCP port to listen on")
@@ -161,6 +167,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         adapters=_pairs("--adapter", getattr(args, "adapter", [])),
         adapter_voices=_pairs("--adapter-voice", getattr(args, "adapter_voice", [])),
     )
+
+
+def voice_store(args: argparse.Namespace) -> VoiceStore | None:
+    """The store of `--voices-dir` (ValueError in one line if the folder cannot be used), or None: the server's
+    memory."""
+    return None if args.voices_dir is None else DirectoryVoiceStore(args.voices_dir)
 
 
 def _pairs(flag: str, items: list[str]) -> dict[str, str]:
@@ -365,6 +377,7 @@ def draining_server(config: uvicorn.Config, service: Service, drain_timeout_s: f
 def serve_main(args: argparse.Namespace) -> int:
     """Run `orpheus-tts serve` until SIGTERM (drain, then exit) or SIGINT (exit now, status 130)."""
     rules = policy(args)
+    store = voice_store(args)
     _uvicorn()  # first: a missing server extra is the one line to see, whatever else is wrong
     from .app import create_app
 
@@ -377,7 +390,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = OrpheusEngine(wanted)
-    app = create_app(engine, policy=rules)
+    app = create_app(engine, policy=rules, voice_store=store)
     config = uvicorn_config(
         app,
         rules,
@@ -424,14 +437,15 @@ def serving_in_thread(
     socket_send_buffer: int | None = None,
     port: int = 0,
     replica: str | None = None,
+    voice_store: VoiceStore | None = None,
 ) -> Iterator[ServerThread]:
     """Serve `engine` under `policy` on a loopback port (`port`, default a free one; or on `uds`) from a thread;
     stopped (not drained) on exit. `socket_send_buffer`: SO_SNDBUF of its connections (a test's stalled client then
     fills it at once, where loopback's autotuned buffer would hold megabytes). `replica`: as `create_app`'s (the
-    server then asks clients to post their streams, as behind Ray Serve's proxy)."""
+    server then asks clients to post their streams, as behind Ray Serve's proxy); `voice_store`: as `create_app`'s."""
     from .app import create_app
 
-    app = create_app(engine, own_engine=own_engine, policy=policy, replica=replica)
+    app = create_app(engine, own_engine=own_engine, policy=policy, replica=replica, voice_store=voice_store)
     sockets: list[socket.socket] = []
     if uds is None:
         sock = socket.socket()

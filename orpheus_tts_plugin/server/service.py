@@ -18,6 +18,8 @@ from ..types import AudioChunk, Usage
 from . import protocol
 from .metrics import Metrics
 from .policy import LimitError, Policy, StreamLimitError
+from .shared_voices import SharedVoices
+from .voice_store import VoiceStore
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +35,19 @@ class Subscriber(Protocol):
 class Service:
     """One engine behind the server; every method runs on the server's (uvicorn's) event loop."""
 
-    def __init__(self, engine: OrpheusEngine, policy: Policy | None = None, replica: str | None = None):
-        """`replica`: this server's name among replicas behind a balancing proxy (Ray Serve), else None."""
+    def __init__(
+        self,
+        engine: OrpheusEngine,
+        policy: Policy | None = None,
+        replica: str | None = None,
+        voice_store: VoiceStore | None = None,
+    ):
+        """`replica`: this server's name among replicas behind a balancing proxy (Ray Serve), else None;
+        `voice_store`: where the deployment's cloned voices live (default: this server's memory)."""
         self.engine = engine
         self.policy = policy or Policy()
         self.replica = replica
+        self.voices = SharedVoices(engine, voice_store)
         self.draining = False  # server loop only: set once by drain(), never cleared
         self.subscribers: set[Subscriber] = set()  # server loop only: the open WebSocket connections
         self.key_streams: collections.Counter[str] = collections.Counter()  # server loop only: open streams by key
@@ -89,13 +99,15 @@ class Service:
         }
 
     def stats(self) -> dict[str, Any]:
-        """The engine's stats plus load, readiness and this process's CPU time (what load tests add up)."""
+        """The engine's stats plus load, readiness, voices and this process's CPU time (what load tests add up); a
+        client that posts its streams (behind a proxy) polls it for the load and the voices."""
         ready, _ = self.readiness()
         return {
             **self.engine.stats(),
             "load": self.engine.load,
             "ready": ready,
             "draining": self.draining,
+            "voices": list(self.engine.spec.voices),
             "process_cpu_s": time.process_time(),
         }
 
@@ -145,6 +157,7 @@ class Service:
                     )
                 self.key_streams[key] += 1
                 held = True
+            await self.voices.knows(request.voice)  # one added on another server since the last sync
             chunks = self.engine.synthesize(
                 request.text,
                 voice=request.voice,

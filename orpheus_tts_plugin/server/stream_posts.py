@@ -177,7 +177,7 @@ class StreamPosts:
 class PostedConnection:
     """A server behind a proxy once its hello is in, in a `Connection`'s place: streams go as posts and no socket is
     held. Every POLL_S it asks the proxy for a replica's stats: their `load` (a replica's, which the router keeps
-    level with the others') is the server's load. `closed` resolves when a stream or that poll finds nothing
+    level with the others') is the server's load, their `voices` the server's voices. `closed` resolves when a stream or that poll finds nothing
     answering at the address (its owner then says hello again, with backoff). Every method runs on the loop of
     `posts`."""
 
@@ -236,6 +236,8 @@ class PostedConnection:
                 continue
             if "load" in stats and not self.closed.done():
                 self.status = {**self.status, "load": float(stats["load"])}
+                if "voices" in stats:  # cloned voices come and go; every replica lists the deployment's
+                    self.status["voices"] = list(stats["voices"])
                 if self._on_status is not None:
                     self._on_status(self.status)
 

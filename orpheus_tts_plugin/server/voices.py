@@ -2,14 +2,15 @@
 
 Guarded by the API key like every route but the probes (`KeyGuard`). `POST` takes JSON: `name`, `transcript`,
 and the reference as `wav` (a base64 16-bit WAV file at 24 kHz) or `pcm` (base64 int16 little-endian mono
-PCM at 24 kHz). The reference is encoded in a worker thread; then every connected WebSocket client hears the new
-voice list in its next `status`, and new connections in their `hello`.
+PCM at 24 kHz). The reference is encoded in a worker thread and kept in the deployment's voice store
+(`shared_voices`): every server of the deployment speaks it, and a removal reaches them all. Connected WebSocket
+clients hear the new voice list in their next `status`, new connections in their `hello`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import contextlib
 import binascii
 import io
 import json
@@ -23,12 +24,16 @@ from ..voices import read_wav
 from .http_errors import error_json, error_response
 from .policy import LimitError
 from .service import Service
+from .voice_store import VoiceStoreError
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a 30 s reference is 1.44 MB of PCM, 1.92 MB in base64
 FIELDS = ("name", "transcript", "wav", "pcm")
 
 
-def listing(service: Service) -> JSONResponse:
+async def listing(service: Service) -> JSONResponse:
+    """Every voice this server speaks, the store's latest included (a server that cannot reach it lists its own)."""
+    with contextlib.suppress(VoiceStoreError):
+        await service.voices.sync()
     engine = service.engine
     return JSONResponse({"voices": engine.voices(), "default_voice": engine.spec.default_voice})
 
@@ -57,7 +62,8 @@ def reference(body: Any) -> tuple[str, np.ndarray, str]:
 
 
 async def add(request: Request, service: Service) -> Response:
-    """Add a cloned voice: 201 with its listing; 400 bad input (or the name taken), 413 too large."""
+    """Add a cloned voice: 201 with its listing; 400 bad input (or the name taken), 413 too large, 503 when the
+    voice store cannot take it."""
     try:
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
@@ -67,19 +73,24 @@ async def add(request: Request, service: Service) -> Response:
         except ValueError:
             raise ValueError("the request body is not JSON") from None
         name, audio, transcript = reference(parsed)
-        await asyncio.to_thread(service.engine.add_voice, name, audio=audio, transcript=transcript)
+        await service.voices.add(name, audio, transcript)
     except (ValueError, TypeError, LimitError) as exc:
         return error_response(exc)
+    except VoiceStoreError as exc:
+        return error_json(503, str(exc))
     service.publish()  # connected clients learn the name now
     [voice] = [v for v in service.engine.voices() if v["name"] == name]
     return JSONResponse(voice, status_code=201)
 
 
-def remove(name: str, service: Service) -> Response:
-    """Remove a cloned voice: 204; 404 if it is not one."""
+async def remove(name: str, service: Service) -> Response:
+    """Remove a cloned voice from every server: 204; 404 if it is not one, 503 when the voice store cannot be
+    reached."""
     try:
-        service.engine.remove_voice(name)
+        await service.voices.remove(name)
     except KeyError as exc:
         return error_json(404, str(exc.args[0]))
+    except VoiceStoreError as exc:
+        return error_json(503, str(exc))
     service.publish()
     return Response(status_code=204)

@@ -1,15 +1,19 @@
 """`/v1/voices` of `orpheus-tts serve`: a cloned voice uploaded (guarded by the key), listed, spoken through a
-RemoteEngine already connected before the upload, removed; bad uploads refused in one line."""
+RemoteEngine already connected before the upload, removed; bad uploads refused in one line; servers sharing a
+voices folder (`--voices-dir`) all speaking a voice added on one of them, a server started later too, and a
+removal reaching them all."""
 
 from __future__ import annotations
 
 import base64
 import io
+import asyncio
 import json
 import urllib.error
 import urllib.request
 import wave
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +21,9 @@ import pytest
 from orpheus_tts_plugin import EngineConfig, RemoteEngine
 from orpheus_tts_plugin.server.policy import Policy
 from orpheus_tts_plugin.server.serve import ServerThread
+from orpheus_tts_plugin.server.voice_store import DirectoryVoiceStore
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE
-from tests.server.harness import assert_same_audio, engine_of, pcm_of, serving, until
+from tests.server.harness import TEXT, assert_same_audio, engine_of, pcm_of, serving, until
 
 KEY = "voice-key"
 TRANSCRIPT = "This is how I sound."
@@ -148,3 +153,45 @@ def test_a_bad_upload_is_a_400_in_one_line(guarded: ServerThread, body: dict, me
     status, answer = call(guarded, "POST", "/v1/voices", body)
     assert status == 400 and message in answer["error"]["message"] and "\n" not in answer["error"]["message"]
     assert "eve" not in engine_of(guarded).spec.voices
+
+
+MINE = {"name": "mine", "transcript": TRANSCRIPT, "pcm": b64(pcm16(seed=3).tobytes())}
+
+
+async def test_a_voice_added_on_one_of_two_servers_sharing_a_folder_is_spoken_by_both_and_a_later_one(
+    config: EngineConfig, tmp_path: Path
+) -> None:
+    folder = tmp_path / "voices"
+    with serving(config, voice_store=DirectoryVoiceStore(folder)) as one, serving(
+        config, voice_store=DirectoryVoiceStore(folder)
+    ) as two:
+        remote = RemoteEngine([one.url, two.url])
+        await remote.start(every_server=True)
+        try:
+            status, body = call(one, "POST", "/v1/voices", MINE, key=None)
+            assert status == 201, body
+            await until(lambda: _knows(remote, "mine"))
+            before = {srv.url: engine_of(srv).stats()["streams_started"] for srv in (one, two)}
+            heard = await asyncio.gather(*(pcm_of(remote, voice="mine", seed=i) for i in range(8)))
+            assert all(pcm.size > 0 for pcm in heard)
+            spread = {srv.url: engine_of(srv).stats()["streams_started"] - before[srv.url] for srv in (one, two)}
+            assert all(n >= 1 for n in spread.values()) and sum(spread.values()) == 8, spread
+            # The same reference, encoded on each server, speaks the same audio.
+            assert_same_audio(await pcm_of(engine_of(two), voice="mine", seed=4), heard[4])
+
+            with serving(config, voice_store=DirectoryVoiceStore(folder)) as later:
+                assert "mine" in engine_of(later).spec.voices  # from its first hello
+                late = RemoteEngine(later.url)
+                await late.start()
+                assert_same_audio(await pcm_of(late, voice="mine", seed=4), heard[4])
+                await late.aclose()
+
+                assert call(two, "DELETE", "/v1/voices/mine", key=None)[0] == 204  # removed on another server
+                await until(lambda: all("mine" not in engine_of(s).spec.voices for s in (one, two, later)))
+                await until(lambda: not _knows(remote, "mine"))
+                status, body = call(later, "DELETE", "/v1/voices/mine", key=None)
+                assert status == 404 and "no added voice 'mine'" in body["error"]["message"]
+        finally:
+            await remote.aclose()
+    assert not list(folder.iterdir())
+

@@ -26,8 +26,8 @@ from .http_stream import http_stream
 from .mux import Mux
 from .policy import Policy, bearer
 from .service import Service
-from .voice_store import VoiceStore, VoiceStoreError
 from .speech import speech
+from .voice_store import VoiceStore, VoiceStoreError
 
 STATUS_INTERVAL_S = 0.25  # how often load changes are pushed to WebSocket clients
 

@@ -177,9 +177,9 @@ class StreamPosts:
 class PostedConnection:
     """A server behind a proxy once its hello is in, in a `Connection`'s place: streams go as posts and no socket is
     held. Every POLL_S it asks the proxy for a replica's stats: their `load` (a replica's, which the router keeps
-    level with the others') is the server's load, their `voices` the server's voices. `closed` resolves when a stream or that poll finds nothing
-    answering at the address (its owner then says hello again, with backoff). Every method runs on the loop of
-    `posts`."""
+    level with the others') is the server's load, and their `voices` its voices. `closed` resolves when a stream or
+    that poll finds nothing answering at the address (its owner then says hello again, with backoff). Every method
+    runs on the loop of `posts`."""
 
     def __init__(
         self,

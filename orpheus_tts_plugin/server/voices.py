@@ -10,8 +10,8 @@ clients hear the new voice list in their next `status`, new connections in their
 from __future__ import annotations
 
 import base64
-import contextlib
 import binascii
+import contextlib
 import io
 import json
 from typing import Any

@@ -5,9 +5,9 @@ removal reaching them all."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
-import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -23,7 +23,7 @@ from orpheus_tts_plugin.server.policy import Policy
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.server.voice_store import DirectoryVoiceStore
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE
-from tests.server.harness import TEXT, assert_same_audio, engine_of, pcm_of, serving, until
+from tests.server.harness import assert_same_audio, engine_of, pcm_of, serving, until
 
 KEY = "voice-key"
 TRANSCRIPT = "This is how I sound."
@@ -162,9 +162,10 @@ async def test_a_voice_added_on_one_of_two_servers_sharing_a_folder_is_spoken_by
     config: EngineConfig, tmp_path: Path
 ) -> None:
     folder = tmp_path / "voices"
-    with serving(config, voice_store=DirectoryVoiceStore(folder)) as one, serving(
-        config, voice_store=DirectoryVoiceStore(folder)
-    ) as two:
+    with (
+        serving(config, voice_store=DirectoryVoiceStore(folder)) as one,
+        serving(config, voice_store=DirectoryVoiceStore(folder)) as two,
+    ):
         remote = RemoteEngine([one.url, two.url])
         await remote.start(every_server=True)
         try:
@@ -194,4 +195,3 @@ async def test_a_voice_added_on_one_of_two_servers_sharing_a_folder_is_spoken_by
         finally:
             await remote.aclose()
     assert not list(folder.iterdir())
-

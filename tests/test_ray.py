@@ -1,6 +1,7 @@
 """`orpheus-tts serve` on Ray Serve, on a local Ray cluster of two nodes (one replica a node): the replica's name on
 every response, streams of one RemoteEngine spread one by one over the replicas through Ray's proxy, connections
-reused and a cancel aborting its stream, and `ray` an optional extra.
+reused and a cancel aborting its stream, a cloned voice added through the proxy spoken by every replica (one started
+later too) and removed from all, and `ray` an optional extra.
 
 One cluster for the module (Ray is heavy on two cores), shut down whatever happens; each pace (synthetic tokens
 faster than decoding, and slower) deploys the application once.
@@ -9,12 +10,14 @@ faster than decoding, and slower) deploys the application once.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,6 +178,65 @@ async def test_one_processs_streams_spread_over_the_replicas_reuse_connections_a
 
 async def heard(stream: Any) -> list[Any]:
     return [chunk async for chunk in stream]
+
+
+def send(port: int, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[str, int, Any]:
+    """(the replica that answered, the HTTP status, the JSON body or None) of a request through the proxy."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw = resp.read()
+            return resp.headers[protocol.REPLICA_HEADER], resp.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        return exc.headers[protocol.REPLICA_HEADER], exc.code, json.loads(exc.read())
+
+
+MINE = {"name": "mine", "transcript": "This is how I sound.", "pcm": base64.b64encode(bytes(range(256)) * 96).decode()}
+
+
+def knows(remote: RemoteEngine, voice: str) -> bool:
+    try:
+        remote.check_options(voice=voice)
+    except ValueError:
+        return False
+    return True
+
+
+async def speak_all(remote: RemoteEngine, url: str, voice: str) -> set[str]:
+    """The replicas that took 8 concurrent streams in `voice` (short ones: 10 frames), each of which spoke to its
+    end."""
+    before = dict(remote.stats()["servers"][url]["replicas"])
+    streams = [heard(remote.synthesize(TEXT, voice=voice, seed=i, max_tokens=70)) for i in range(STREAMS)]
+    assert all(chunks[-1].final for chunks in await asyncio.gather(*streams))
+    return {r for r, n in remote.stats()["servers"][url]["replicas"].items() if n > before.get(r, 0)}
+
+
+async def test_a_voice_added_through_the_proxy_is_spoken_by_every_replica_and_its_removal_reaches_all(
+    deployed: int,
+) -> None:
+    url = f"ws://127.0.0.1:{deployed}"
+    remote = RemoteEngine(url)
+    try:
+        _, status, body = send(deployed, "POST", "/v1/voices", MINE)  # one replica takes it
+        assert status == 201, body
+        await remote.start()
+        await until(lambda: knows(remote, "mine"), 20)  # the hello's voices, or the next poll's
+        assert len(await speak_all(remote, url, "mine")) == 2
+
+        _, status, _ = send(deployed, "DELETE", "/v1/voices/mine")  # on one replica
+        assert status == 204
+        gone = lambda: all("mine" not in s["voices"] for s in replicas_stats(deployed).values())  # noqa: E731
+        await until(gone, 20)  # both replicas' engines
+        speech = {"model": "orpheus", "input": TEXT, "voice": "mine", "response_format": "pcm"}
+        asks = [asyncio.to_thread(send, deployed, "POST", "/v1/audio/speech", speech) for _ in range(6)]
+        refused = await asyncio.gather(*asks)
+        assert all(status == 400 and "unknown voice 'mine'" in body["error"]["message"] for _, status, body in refused)
+        await until(lambda: not knows(remote, "mine"), 20)
+    finally:
+        send(deployed, "DELETE", "/v1/voices/mine")  # the registry outlives the application
+        await remote.aclose()
 
 
 def test_the_package_and_serve_work_without_ray_and_the_ray_app_names_its_extra() -> None:
@@ -383,6 +445,29 @@ async def test_replicas_scale_up_on_open_streams_and_down_and_a_rollout_and_the_
         print("autoscale timeline:", timeline)
         await remote.aclose()
         serve.delete("scaling")
+
+
+async def test_a_replica_started_after_a_voice_was_added_speaks_it(cluster: int, test_model_dir: Path) -> None:
+    clear()
+    args = args_of(test_model_dir, "paced", min_replicas=1, max_replicas=1)
+    serve.run(app_of(args), name="later", route_prefix="/later")
+    url = f"ws://127.0.0.1:{cluster}/later{protocol.WS_PATH}"
+    remote = RemoteEngine(url)
+    try:
+        _, status, body = send(cluster, "POST", "/later/v1/voices", MINE)
+        assert status == 201, body
+        await remote.start()
+        (first_one,) = await speak_all(remote, url, "mine")
+        await asyncio.to_thread(
+            serve.run, app_of({**args, "min_replicas": 2, "max_replicas": 2}), name="later", route_prefix="/later"
+        )
+        assert replicas_running("later") == 2
+        now = await speak_all(remote, url, "mine")  # every stream spoke, on each replica
+        assert len(now) == 2 and now - {first_one}, now  # one started after the voice was added (or two: Ray's choice)
+    finally:
+        send(cluster, "DELETE", "/later/v1/voices/mine")
+        await remote.aclose()
+        serve.delete("later")
 
 
 POISON = 666  # the seed whose request kills a PoisonableReplica's engine

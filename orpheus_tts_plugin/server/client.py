@@ -154,7 +154,16 @@ class RemoteEngine:
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         posts = (ssl, key, connect_timeout_s) if keepalive_s is not None else (ssl, key, connect_timeout_s, None)
         self._upstreams = tuple(
-            Upstream(u, self._connect, backoff_s, self._adopt, posts, lambda _: self._connected.set()) for u in urls
+            Upstream(
+                u,
+                self._connect,
+                backoff_s,
+                self._adopt,
+                posts,
+                on_refused=lambda _: self._connected.set(),
+                on_status=self._take_pushed_voices,
+            )
+            for u in urls
         )
         self._turn = 0  # round-robin among equally loaded servers
         self._open: set[_CallerStream] = set()
@@ -426,25 +435,21 @@ class RemoteEngine:
     async def _connect(
         self, url: str, on_status: Callable[[dict[str, Any]], None], on_close: Callable[[str], None]
     ) -> Connection:
-        """One connection to `url` with this engine's TLS, key, timeout and keepalive (for its Upstream); each
-        `status` also brings the servers' voices (cloned ones come and go) into `spec`, on this loop."""
-
-        def status(message: dict[str, Any]) -> None:
-            on_status(message)
-            self._take_pushed_voices()
-
+        """One connection to `url` with this engine's TLS, key, timeout and keepalive (for its Upstream, whose
+        `on_status` then brings the servers' voices (cloned ones come and go) into `spec`, on this loop)."""
         return await Connection.open(
             url,
             ssl=self._ssl,
             api_key=self._api_key,
             timeout_s=self._connect_timeout_s,
             keepalive_s=self._keepalive_s,
-            on_status=status,
+            on_status=on_status,
             on_close=on_close,
         )
 
     def _take_pushed_voices(self) -> None:
-        """The voices the servers' latest `status` listed (cloned voices added since the hello), if any."""
+        """The voices the servers' latest `status` listed (cloned voices added since the hello; polled from behind
+        a proxy), if any."""
         pushed = [u.status["voices"] for u in self._upstreams if u.conn is not None and "voices" in u.status]
         if pushed:
             voices = tuple(dict.fromkeys(v for listed in pushed for v in listed))

@@ -12,7 +12,9 @@
 Ray's proxy routes each request, and a WebSocket once, for its life. So each replica's hello names `streams_path`,
 and RemoteEngine posts every stream as an HTTP request of its own and holds no socket once it has the hello: streams
 spread one by one (`ray_router`: to the replica with the fewest, a burst too), and a replica's open requests are its
-open streams, what autoscaling counts and what a stopping replica drains. Ray is an optional extra
+open streams, what autoscaling counts and what a stopping replica drains. Cloned voices live in the application's
+registry actor (`ray_voices`; or in `voices_dir`, a folder every node mounts), so every replica speaks them, one
+started later too. Ray is an optional extra
 (`pip install orpheus-tts-plugin[ray]`); nothing else imports this module.
 """
 
@@ -35,6 +37,7 @@ from ..engine import OrpheusEngine
 from . import serve as serve_cli
 from .app import create_app
 from .ray_router import IMPORT_PATH as ROUTER
+from .ray_voices import RayVoiceStore
 
 DRAIN_S = 300.0  # the longest utterance a default engine speaks (its token budget) fits well within this
 TARGET_SHARE = 0.75  # a replica at this share of max_streams asks for another
@@ -42,17 +45,20 @@ SERVE_ONLY = ("host", "port", "uds", "ssl_certfile", "ssl_keyfile", "cpus", "log
 
 
 class OrpheusReplica:
-    """One replica: an engine and `create_app`'s app around it, named for Ray Serve's replica id."""
+    """One replica: an engine and `create_app`'s app around it, named for Ray Serve's replica id; its cloned voices
+    those of the application's registry (or of `voices_dir`)."""
 
     def __init__(self, args: argparse.Namespace):
         self.engine = OrpheusEngine(serve_cli.engine_config(args))
         self.policy = serve_cli.policy(args)
-        self.name = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.name = context.replica_id.unique_id
+        self.voice_store = serve_cli.voice_store(args) or RayVoiceStore(context.app_name)
 
     async def __serve_build_asgi_app__(self) -> Any:
         """The app, once the engine has loaded: Ray routes nothing to a replica before this returns."""
         await self.engine.start()
-        return create_app(self.engine, policy=self.policy, replica=self.name)
+        return create_app(self.engine, policy=self.policy, replica=self.name, voice_store=self.voice_store)
 
     def check_health(self) -> None:
         """Ray's health check: an engine that failed or closed makes the replica unhealthy, and Ray replaces it."""

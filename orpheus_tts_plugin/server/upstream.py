@@ -67,9 +67,11 @@ class Upstream:
         on_up: Callable[[Upstream, Connection], None],
         posts_options: tuple[Any, ...] = (None, None, 5.0),
         on_refused: Callable[[Upstream], None] | None = None,
+        on_status: Callable[[], None] | None = None,
     ):
         """`posts_options`: StreamPosts' (ssl, api_key, connect_timeout_s[, silence_s]), for a server that asks for
-        posts; `on_refused`: called when the server refuses the key (waiting for it is then pointless)."""
+        posts; `on_refused`: called when the server refuses the key (waiting for it is then pointless); `on_status`:
+        called after each new status (pushed, or polled from behind a proxy)."""
         self.url = url
         self.conn: Connection | PostedConnection | None = None  # None while not connected
         self.status: dict[str, Any] = {}  # the server's last `status` message
@@ -80,6 +82,7 @@ class Upstream:
         self._connect = connect
         self._backoff = backoff_s
         self._on_up = on_up  # called with each new connection, once it is this Upstream's
+        self._on_new_status = on_status
         self._unreported: set[int] = set()  # ids (on `conn`) of open streams started since the last status
         self._posts_base = http_base(url)  # None for a Unix socket: streams then stay on the WebSocket
         self._posts_options = posts_options
@@ -201,6 +204,8 @@ class Upstream:
     def _on_status(self, message: dict[str, Any]) -> None:
         self.status = message
         self._unreported.clear()
+        if self._on_new_status is not None:
+            self._on_new_status()
 
     def _on_close(self, reason: str) -> None:
         """The connection closed: forget it before any of its streams hears of it (choose() skips it at once)."""

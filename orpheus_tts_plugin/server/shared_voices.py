@@ -55,6 +55,8 @@ class SharedVoices:
             await asyncio.to_thread(self.engine.add_voice, name, audio=audio, transcript=transcript)
             voice = StoredVoice(name, transcript, pcm16(audio))
             try:
+                if self._epoch is None:  # the store's, before it holds a voice of ours: a later change means a loss
+                    self._epoch = (await self._ask(self.store.listing()))[0]
                 await self._ask(self.store.put(voice))
             except BaseException:
                 self.engine.remove_voice(name)

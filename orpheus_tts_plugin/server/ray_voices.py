@@ -35,20 +35,22 @@ class VoiceRegistry:
 
     def __init__(self) -> None:
         self.epoch = uuid.uuid4().hex  # a new one after a restart: the replicas then put their voices back
-        self.voices: dict[str, tuple[str, bytes]] = {}
+        self.voices: dict[str, tuple[str, bytes, str]] = {}  # (transcript, pcm, tag) by name
 
-    def listing(self) -> tuple[str, list[str]]:
-        return self.epoch, list(self.voices)
+    def listing(self) -> tuple[str, dict[str, str]]:
+        return self.epoch, {name: tag for name, (_, _, tag) in self.voices.items()}
 
     def get(self, name: str) -> tuple[str, bytes] | None:
-        return self.voices.get(name)
+        found = self.voices.get(name)
+        return None if found is None else found[:2]
 
-    def put(self, name: str, transcript: str, pcm: bytes) -> bool:
-        """Keep the voice unless the name is taken; whether it was kept."""
+    def put(self, name: str, transcript: str, pcm: bytes) -> str | None:
+        """Keep the voice unless the name is taken: its tag, or None."""
         if name in self.voices:
-            return False
-        self.voices[name] = (transcript, pcm)
-        return True
+            return None
+        tag = uuid.uuid4().hex
+        self.voices[name] = (transcript, pcm, tag)
+        return tag
 
     def remove(self, name: str) -> bool:
         return self.voices.pop(name, None) is not None
@@ -61,17 +63,19 @@ class RayVoiceStore:
         self.name = registry_name(app_name)
         self._registry: Any = None  # its handle, once found or started
 
-    async def listing(self) -> tuple[str, frozenset[str]]:
-        epoch, names = await self._call("listing")
-        return epoch, frozenset(names)
+    async def listing(self) -> tuple[str, dict[str, str]]:
+        epoch, tags = await self._call("listing")
+        return epoch, tags
 
     async def get(self, name: str) -> StoredVoice | None:
         found = await self._call("get", name)
         return None if found is None else StoredVoice(name, *found)
 
-    async def put(self, voice: StoredVoice) -> None:
-        if not await self._call("put", voice.name, voice.transcript, voice.pcm):
+    async def put(self, voice: StoredVoice) -> str:
+        tag = await self._call("put", voice.name, voice.transcript, voice.pcm)
+        if tag is None:
             raise taken(voice.name)
+        return tag
 
     async def remove(self, name: str) -> bool:
         return await self._call("remove", name)

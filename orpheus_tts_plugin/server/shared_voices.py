@@ -2,8 +2,9 @@
 refused by all.
 
 `/v1/voices` adds to the engine (checked, encoded) and then to the store, and removes from both. Every server reads
-the store's names every SYNC_S and at once when a stream names a voice it does not know: it fetches and encodes
-each new voice, and drops each one the store no longer holds. So a server that starts later (a new replica)
+the store's names (and each voice's tag) every SYNC_S and at once when a stream names a voice it does not know: it
+fetches and encodes each new voice, drops each one the store no longer holds, and does both for one replaced under
+its name. So a server that starts later (a new replica)
 speaks every voice from its first request, and a voice added elsewhere is spoken even before the next sync.
 """
 
@@ -43,7 +44,10 @@ class SharedVoices:
         self.store: VoiceStore = store if store is not None else MemoryVoiceStore()
         self.sync_s = sync_s
         self._held: dict[str, StoredVoice] = {}  # the voices this server added to its engine, by name
-        self._refused: set[str] = set()  # stored names this engine refused (e.g. one of its stock voices): not retried
+        self._tags: dict[str, str] = {}  # the store's tag of each held voice, as it was when added
+        self._refused: dict[
+            str, str
+        ] = {}  # tags of stored voices this engine refused (a stock voice's name): not retried
         self._epoch: str | None = None  # the store's, at the last sync
         self._lock = asyncio.Lock()  # one change at a time: an add, a removal or a sync
         self._last_error: str | None = None  # the last sync's failure, logged once
@@ -57,18 +61,17 @@ class SharedVoices:
             try:
                 if self._epoch is None:  # the store's, before it holds a voice of ours: a later change means a loss
                     self._epoch = (await self._ask(self.store.listing()))[0]
-                await self._ask(self.store.put(voice))
+                tag = await self._ask(self.store.put(voice))
             except BaseException:
                 self.engine.remove_voice(name)
                 raise
-            self._held[name] = voice
+            self._held[name], self._tags[name] = voice, tag
 
     async def remove(self, name: str) -> None:
         """Remove a voice from the store and here; KeyError (naming the added voices) if neither had it."""
         async with self._lock:
             stored = await self._ask(self.store.remove(name))
-            self._held.pop(name, None)
-            self._refused.discard(name)
+            self._forget(name)
             try:
                 self.engine.remove_voice(name)
             except KeyError:
@@ -102,19 +105,19 @@ class SharedVoices:
             await asyncio.sleep(self.sync_s)
 
     async def _sync(self) -> None:
-        epoch, names = await self._ask(self.store.listing())
+        epoch, tags = await self._ask(self.store.listing())
         if self._epoch is not None and epoch != self._epoch:  # the store lost what it held: give back ours
-            for voice in self._held.values():
+            for name, voice in self._held.items():
                 with contextlib.suppress(ValueError):  # another server gave it back first
-                    await self._ask(self.store.put(voice))
-            epoch, names = await self._ask(self.store.listing())
+                    self._tags[name] = await self._ask(self.store.put(voice))
+            epoch, tags = await self._ask(self.store.listing())
         self._epoch = epoch
-        self._refused &= names
-        for name in set(self._held) - names:
-            del self._held[name]
+        self._refused = {name: tag for name, tag in self._refused.items() if tags.get(name) == tag}
+        for name in [n for n in self._held if tags.get(n) != self._tags[n]]:  # removed, or replaced
+            self._forget(name)
             with contextlib.suppress(KeyError):
                 self.engine.remove_voice(name)
-        for name in sorted(names - set(self._held) - self._refused):
+        for name in sorted(set(tags) - set(self._held) - set(self._refused)):
             voice = await self._ask(self.store.get(name))
             if voice is None:  # removed since the listing
                 continue
@@ -123,9 +126,14 @@ class SharedVoices:
                 await asyncio.to_thread(self.engine.add_voice, name, audio=audio, transcript=voice.transcript)
             except (ValueError, TypeError) as exc:
                 log.warning("stored voice %r not added here: %s", name, exc)
-                self._refused.add(name)
+                self._refused[name] = tags[name]
                 continue
-            self._held[name] = voice
+            self._held[name], self._tags[name] = voice, tags[name]  # if replaced since the listing: the next sync
+
+    def _forget(self, name: str) -> None:
+        self._held.pop(name, None)
+        self._tags.pop(name, None)
+        self._refused.pop(name, None)
 
     async def _ask(self, call: Awaitable[T]) -> T:
         """The store's answer within STORE_TIMEOUT_S, else VoiceStoreError."""

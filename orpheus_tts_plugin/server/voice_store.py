@@ -51,17 +51,18 @@ class VoiceStore(Protocol):
     """A deployment's cloned voices. Every method is called on the server's event loop; VoiceStoreError when the
     store cannot answer."""
 
-    async def listing(self) -> tuple[str, frozenset[str]]:
-        """(the store's epoch, the names it holds). The epoch changes only when the store lost what it held (a
-        registry restarted empty): the servers then put back the voices they hold."""
+    async def listing(self) -> tuple[str, dict[str, str]]:
+        """(the store's epoch, each voice's tag by name). A tag changes when a voice is replaced under its name
+        (removed and added again). The epoch changes only when the store lost what it held (a registry restarted
+        empty): the servers then put back the voices they hold."""
         ...
 
     async def get(self, name: str) -> StoredVoice | None:
         """The voice of that name, or None if there is none (any more)."""
         ...
 
-    async def put(self, voice: StoredVoice) -> None:
-        """Keep `voice`; ValueError if the store holds a voice of that name already (added elsewhere)."""
+    async def put(self, voice: StoredVoice) -> str:
+        """Keep `voice`, and its tag; ValueError if the store holds a voice of that name already (added elsewhere)."""
         ...
 
     async def remove(self, name: str) -> bool:
@@ -78,18 +79,20 @@ class MemoryVoiceStore:
 
     def __init__(self) -> None:
         self.epoch = uuid.uuid4().hex
-        self._voices: dict[str, StoredVoice] = {}  # server loop only
+        self._voices: dict[str, tuple[StoredVoice, str]] = {}  # (voice, tag) by name; server loop only
 
-    async def listing(self) -> tuple[str, frozenset[str]]:
-        return self.epoch, frozenset(self._voices)
+    async def listing(self) -> tuple[str, dict[str, str]]:
+        return self.epoch, {name: tag for name, (_, tag) in self._voices.items()}
 
     async def get(self, name: str) -> StoredVoice | None:
-        return self._voices.get(name)
+        return self._voices[name][0] if name in self._voices else None
 
-    async def put(self, voice: StoredVoice) -> None:
+    async def put(self, voice: StoredVoice) -> str:
         if voice.name in self._voices:
             raise taken(voice.name)
-        self._voices[voice.name] = voice
+        tag = uuid.uuid4().hex
+        self._voices[voice.name] = (voice, tag)
+        return tag
 
     async def remove(self, name: str) -> bool:
         return self._voices.pop(name, None) is not None
@@ -98,6 +101,11 @@ class MemoryVoiceStore:
         """Forget every voice under a new epoch, as a registry that restarted (for tests of the put-back)."""
         self.epoch = uuid.uuid4().hex
         self._voices.clear()
+
+
+def tag_of(stat: os.stat_result) -> str:
+    """A voice file's tag: a file written again under its name has another (its inode, time or size differ)."""
+    return f"{stat.st_ino}-{stat.st_mtime_ns}-{stat.st_size}"
 
 
 class DirectoryVoiceStore:
@@ -117,14 +125,14 @@ class DirectoryVoiceStore:
         if not os.access(self.path, os.R_OK | os.W_OK | os.X_OK):
             raise ValueError(f"voices directory {str(path)!r} is not readable and writable")
 
-    async def listing(self) -> tuple[str, frozenset[str]]:
-        return "directory", await self._run(self._names)
+    async def listing(self) -> tuple[str, dict[str, str]]:
+        return "directory", await self._run(self._tags)
 
     async def get(self, name: str) -> StoredVoice | None:
         return await self._run(self._read, name)
 
-    async def put(self, voice: StoredVoice) -> None:
-        await self._run(self._write, voice)
+    async def put(self, voice: StoredVoice) -> str:
+        return await self._run(self._write, voice)
 
     async def remove(self, name: str) -> bool:
         return await self._run(self._unlink, name)
@@ -138,8 +146,13 @@ class DirectoryVoiceStore:
     def _file(self, name: str) -> Path:
         return self.path / (name + SUFFIX)
 
-    def _names(self) -> frozenset[str]:
-        return frozenset(entry.name[: -len(SUFFIX)] for entry in os.scandir(self.path) if entry.name.endswith(SUFFIX))
+    def _tags(self) -> dict[str, str]:
+        tags = {}
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(SUFFIX):
+                with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                    tags[entry.name[: -len(SUFFIX)]] = tag_of(entry.stat())
+        return tags
 
     def _read(self, name: str) -> StoredVoice | None:
         try:
@@ -151,7 +164,7 @@ class DirectoryVoiceStore:
         except (ValueError, KeyError, TypeError, binascii.Error) as exc:
             raise VoiceStoreError(f"{self._file(name)} is not a voice file: {exc}") from None
 
-    def _write(self, voice: StoredVoice) -> None:
+    def _write(self, voice: StoredVoice) -> str:
         fd, aside = tempfile.mkstemp(dir=self.path, prefix=".incoming-")
         try:
             with os.fdopen(fd, "w") as out:
@@ -160,6 +173,7 @@ class DirectoryVoiceStore:
                 os.link(aside, self._file(voice.name))  # fails if the name is taken, even by a racing server
             except FileExistsError:
                 raise taken(voice.name) from None
+            return tag_of(os.stat(self._file(voice.name)))
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(aside)

@@ -1,6 +1,7 @@
 """`SharedVoices` on one engine and a store: a stream naming a voice added elsewhere since the last sync syncs at
-once, a store that lost everything gets its voices back from the servers, a store that cannot take a voice leaves
-the engine without it, and a folder store's files appear whole."""
+once, a voice replaced under its name elsewhere is replaced here, a store that lost everything gets its voices back
+from the servers, a store that cannot take a voice leaves the engine without it, and a folder store's files appear
+whole."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Unreachable(MemoryVoiceStore):
         raise VoiceStoreError("the voice store is unreachable")
 
 
-async def test_a_stream_naming_a_voice_added_elsewhere_syncs_at_once_and_a_removal_reaches_the_engine(
+async def test_a_stream_naming_a_voice_added_elsewhere_syncs_at_once_and_a_replacement_and_a_removal_reach_it(
     engine: OrpheusEngine,
 ) -> None:
     store = MemoryVoiceStore()
@@ -48,6 +49,10 @@ async def test_a_stream_naming_a_voice_added_elsewhere_syncs_at_once_and_a_remov
     assert "elsewhere" in engine.spec.voices
     await voices.knows("nobody")  # unknown everywhere: the engine refuses it, as before
     assert "nobody" not in engine.spec.voices
+    await store.remove("elsewhere")  # replaced on another server, within one sync period: another reference
+    await store.put(StoredVoice("elsewhere", "Another take.", PCM[::-1].tobytes()))
+    await voices.sync()
+    assert [v["transcript"] for v in engine.voices() if v["name"] == "elsewhere"] == ["Another take."]
     await store.remove("elsewhere")  # another server's removal
     await voices.sync()
     assert "elsewhere" not in engine.spec.voices
@@ -79,7 +84,7 @@ async def test_a_folder_store_keeps_whole_files_refuses_a_taken_name_and_float_a
     with pytest.raises(ValueError, match="'mine' is already added"):
         await DirectoryVoiceStore(tmp_path / "voices").put(voice)
     assert [p.name for p in (tmp_path / "voices").iterdir()] == ["mine.voice.json"]  # nothing left aside
-    assert await store.get("mine") == voice and (await store.listing())[1] == {"mine"}
+    assert await store.get("mine") == voice and set((await store.listing())[1]) == {"mine"}
     assert await store.remove("mine") and not await store.remove("mine")
     (tmp_path / "a-file").touch()
     with pytest.raises(ValueError, match="cannot be created"):

@@ -155,6 +155,7 @@ def test_a_bad_upload_is_a_400_in_one_line(guarded: ServerThread, body: dict, me
     assert "eve" not in engine_of(guarded).spec.voices
 
 
+SHORT = 70  # max_tokens: at most 10 frames an utterance, so that 8 streams at the paced rate end soon
 MINE = {"name": "mine", "transcript": TRANSCRIPT, "pcm": b64(pcm16(seed=3).tobytes())}
 
 
@@ -173,18 +174,18 @@ async def test_a_voice_added_on_one_of_two_servers_sharing_a_folder_is_spoken_by
             assert status == 201, body
             await until(lambda: _knows(remote, "mine"))
             before = {srv.url: engine_of(srv).stats()["streams_started"] for srv in (one, two)}
-            heard = await asyncio.gather(*(pcm_of(remote, voice="mine", seed=i) for i in range(8)))
+            heard = await asyncio.gather(*(pcm_of(remote, voice="mine", seed=i, max_tokens=SHORT) for i in range(8)))
             assert all(pcm.size > 0 for pcm in heard)
             spread = {srv.url: engine_of(srv).stats()["streams_started"] - before[srv.url] for srv in (one, two)}
             assert all(n >= 1 for n in spread.values()) and sum(spread.values()) == 8, spread
             # The same reference, encoded on each server, speaks the same audio.
-            assert_same_audio(await pcm_of(engine_of(two), voice="mine", seed=4), heard[4])
+            assert_same_audio(await pcm_of(engine_of(two), voice="mine", seed=4, max_tokens=SHORT), heard[4])
 
             with serving(config, voice_store=DirectoryVoiceStore(folder)) as later:
                 assert "mine" in engine_of(later).spec.voices  # from its first hello
                 late = RemoteEngine(later.url)
                 await late.start()
-                assert_same_audio(await pcm_of(late, voice="mine", seed=4), heard[4])
+                assert_same_audio(await pcm_of(late, voice="mine", seed=4, max_tokens=SHORT), heard[4])
                 await late.aclose()
 
                 assert call(two, "DELETE", "/v1/voices/mine", key=None)[0] == 204  # removed on another server

@@ -201,6 +201,12 @@ def test_serve_on_a_busy_port_says_so_in_one_line_before_loading(test_model_dir:
     assert "pick another --port" in line
 
 
+def test_serve_with_a_voices_dir_it_cannot_make_says_so_in_one_line_before_loading(tmp_path: Path) -> None:
+    (tmp_path / "a-file").touch()
+    line = _one_line("serve", "--backend", "synthetic", "--voices-dir", str(tmp_path / "a-file" / "voices"))
+    assert line.startswith("orpheus-tts serve: error: voices directory") and "cannot be created" in line
+
+
 @pytest.mark.parametrize("snac", [None, "nosuch/snac"], ids=["without --snac", "an unknown hub id"])
 def test_decode_with_a_snac_not_here_offline_is_one_line_naming_the_download_command(
     tmp_path: Path, offline: dict[str, str], snac: str | None

@@ -1,7 +1,7 @@
 """`orpheus-tts serve` on Ray Serve, on a local Ray cluster of two nodes (one replica a node): the replica's name on
 every response, streams of one RemoteEngine spread one by one over the replicas through Ray's proxy, connections
-reused and a cancel aborting its stream, a cloned voice added through the proxy spoken by every replica (one started
-later too) and removed from all, and `ray` an optional extra.
+reused and a cancel aborting its stream, a cloned voice added through the proxy spoken by every replica (one that
+autoscaling starts later too, and one of a new config) and removed from all, and `ray` an optional extra.
 
 One cluster for the module (Ray is heavy on two cores), shut down whatever happens; each pace (synthetic tokens
 faster than decoding, and slower) deploys the application once.
@@ -379,6 +379,8 @@ async def test_replicas_scale_up_on_open_streams_and_down_and_a_rollout_and_the_
 
     try:
         assert replicas_running("scaling") == 1
+        _, status, body = send(cluster, "POST", "/scaling/v1/voices", MINE)  # before the second replica starts
+        assert status == 201, body
         await remote.start()
         held = [remote.synthesize(LONG, seed=i, max_tokens=1_000_000) for i in range(4)]
         await asyncio.gather(*(first(s) for s in held))
@@ -388,10 +390,10 @@ async def test_replicas_scale_up_on_open_streams_and_down_and_a_rollout_and_the_
         mark("second replica running")
         await until(lambda: get(cluster, "/scaling/health")[0] != old, 60)  # the least loaded: the new one
         mark("the proxy routes to it")
-        more = [remote.synthesize(LONG, seed=10 + i, max_tokens=1_000_000) for i in range(4)]
+        more = [remote.synthesize(LONG, voice="mine", seed=10 + i, max_tokens=1_000_000) for i in range(4)]
         await asyncio.gather(*(first(s) for s in more))
         mark(f"4 more streams: by replica {sorted(by_replica().values())}")
-        assert len(by_replica()) == 2  # the new replica serves
+        assert len(by_replica()) == 2  # the new replica serves, and speaks the voice added before it started
 
         # Down: streams of ~14 s, at least one on each replica, speak across the downscale. Started one by one until
         # both carry one (the router sends each to the fewest; a cancel reaches its count a moment after the cancel).
@@ -437,37 +439,15 @@ async def test_replicas_scale_up_on_open_streams_and_down_and_a_rollout_and_the_
         await rollout
         mark("new config running")
         before = by_replica()
-        whole = await heard(remote.synthesize(TEXT, seed=99))
+        whole = await heard(remote.synthesize(TEXT, voice="mine", seed=99))  # the voice outlives the rollout
         (new,) = [r for r, n in by_replica().items() if n > before.get(r, 0)]
         assert whole[-1].final and new != serving  # a replica of the new config
         assert "cached_prefixes" in (await remote.server_stats())["backend"]  # the hf backend's
     finally:
         print("autoscale timeline:", timeline)
+        send(cluster, "DELETE", "/scaling/v1/voices/mine")  # the registry outlives the application
         await remote.aclose()
         serve.delete("scaling")
-
-
-async def test_a_replica_started_after_a_voice_was_added_speaks_it(cluster: int, test_model_dir: Path) -> None:
-    clear()
-    args = args_of(test_model_dir, "paced", min_replicas=1, max_replicas=1)
-    serve.run(app_of(args), name="later", route_prefix="/later")
-    url = f"ws://127.0.0.1:{cluster}/later{protocol.WS_PATH}"
-    remote = RemoteEngine(url)
-    try:
-        _, status, body = send(cluster, "POST", "/later/v1/voices", MINE)
-        assert status == 201, body
-        await remote.start()
-        (first_one,) = await speak_all(remote, url, "mine")
-        await asyncio.to_thread(
-            serve.run, app_of({**args, "min_replicas": 2, "max_replicas": 2}), name="later", route_prefix="/later"
-        )
-        assert replicas_running("later") == 2
-        now = await speak_all(remote, url, "mine")  # every stream spoke, on each replica
-        assert len(now) == 2 and now - {first_one}, now  # one started after the voice was added (or two: Ray's choice)
-    finally:
-        send(cluster, "DELETE", "/later/v1/voices/mine")
-        await remote.aclose()
-        serve.delete("later")
 
 
 POISON = 666  # the seed whose request kills a PoisonableReplica's engine

@@ -1,9 +1,10 @@
 """The voice store of an application on Ray Serve: one registry actor per application, which every replica syncs with.
 
 The registry is a named, detached actor (Ray's public actor API; no shared folder is needed across nodes): it
-outlives a replica, a rollout and `serve.delete` (kill it with `ray.kill(ray.get_actor(registry_name(APP),
-namespace=NAMESPACE))`), and Ray restarts it if its node is lost; it then comes back empty under a new epoch, and
-each replica puts back the voices it holds (`shared_voices`). It holds each voice's PCM (30 s at most: 1.44 MB).
+outlives a replica, a rollout and `serve.delete` (after which kill it with
+`ray.kill(ray.get_actor(registry_name(APP), namespace=NAMESPACE))`). Ray restarts it if its node is lost; it then
+comes back empty under a new epoch, and each replica puts back the voices it holds (`shared_voices`), as they do for
+one killed while they run. It holds each voice's PCM (30 s at most: 1.44 MB).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class RayVoiceStore:
                 self._registry = await asyncio.to_thread(self._find_or_start)
             return await getattr(self._registry, method).remote(*args)
         except RayError as exc:
+            self._registry = None  # killed for good, perhaps: the next call finds or starts one again
             first = (str(exc).strip().splitlines() or [""])[0]  # Ray's messages carry tracebacks
             raise VoiceStoreError(f"voice registry {self.name!r}: {type(exc).__name__}: {first}") from None
 

@@ -38,6 +38,7 @@ ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
 serve = pytest.importorskip("ray.serve")
 
 from orpheus_tts_plugin.server.ray import OrpheusReplica  # noqa: E402 - after the extra's check
+from orpheus_tts_plugin.server.ray_voices import NAMESPACE, registry_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STREAMS = 8
@@ -204,6 +205,15 @@ def knows(remote: RemoteEngine, voice: str) -> bool:
     return True
 
 
+def registry_names(app: str) -> set[str]:
+    """The voices in the application's registry (none while there is no live one)."""
+    try:
+        registry = ray.get_actor(registry_name(app), namespace=NAMESPACE)
+        return set(ray.get(registry.listing.remote(), timeout=10)[1])
+    except (ValueError, ray.exceptions.RayError):
+        return set()
+
+
 async def speak_all(remote: RemoteEngine, url: str, voice: str) -> set[str]:
     """The replicas that took 8 concurrent streams in `voice` (short ones: 10 frames), each of which spoke to its
     end."""
@@ -213,7 +223,7 @@ async def speak_all(remote: RemoteEngine, url: str, voice: str) -> set[str]:
     return {r for r, n in remote.stats()["servers"][url]["replicas"].items() if n > before.get(r, 0)}
 
 
-async def test_a_voice_added_through_the_proxy_is_spoken_by_every_replica_and_its_removal_reaches_all(
+async def test_a_voice_added_through_the_proxy_is_spoken_by_every_replica_survives_its_registry_and_is_removed_from_all(
     deployed: int,
 ) -> None:
     url = f"ws://127.0.0.1:{deployed}"
@@ -225,6 +235,9 @@ async def test_a_voice_added_through_the_proxy_is_spoken_by_every_replica_and_it
         await until(lambda: knows(remote, "mine"), 20)  # the hello's voices, or the next poll's
         assert len(await speak_all(remote, url, "mine")) == 2
 
+        ray.kill(ray.get_actor(registry_name("orpheus"), namespace=NAMESPACE))  # lost, as with its node
+        await until(lambda: registry_names("orpheus") == {"mine"}, 30)  # another, given the voice back by a replica
+
         _, status, _ = send(deployed, "DELETE", "/v1/voices/mine")  # on one replica
         assert status == 204
         gone = lambda: all("mine" not in s["voices"] for s in replicas_stats(deployed).values())  # noqa: E731
@@ -234,6 +247,7 @@ async def test_a_voice_added_through_the_proxy_is_spoken_by_every_replica_and_it
         refused = await asyncio.gather(*asks)
         assert all(status == 400 and "unknown voice 'mine'" in body["error"]["message"] for _, status, body in refused)
         await until(lambda: not knows(remote, "mine"), 20)
+        assert registry_names("orpheus") == set()
     finally:
         send(deployed, "DELETE", "/v1/voices/mine")  # the registry outlives the application
         await remote.aclose()

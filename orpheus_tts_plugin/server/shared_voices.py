@@ -45,9 +45,8 @@ class SharedVoices:
         self.sync_s = sync_s
         self._held: dict[str, StoredVoice] = {}  # the voices this server added to its engine, by name
         self._tags: dict[str, str] = {}  # the store's tag of each held voice, as it was when added
-        self._refused: dict[
-            str, str
-        ] = {}  # tags of stored voices this engine refused (a stock voice's name): not retried
+        # Tags of stored voices this engine refused (e.g. one of its stock voices' names): not tried again.
+        self._refused: dict[str, str] = {}
         self._epoch: str | None = None  # the store's, at the last sync
         self._lock = asyncio.Lock()  # one change at a time: an add, a removal or a sync
         self._last_error: str | None = None  # the last sync's failure, logged once

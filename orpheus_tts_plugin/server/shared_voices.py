@@ -101,6 +101,8 @@ class SharedVoices:
                 if str(exc) != self._last_error:
                     log.warning("cloned voices not synced: %s", exc)
                 self._last_error = str(exc)
+            except Exception:  # noqa: BLE001 - a bug here must not end the syncing for the server's life
+                log.exception("cloned voices not synced")
             await asyncio.sleep(self.sync_s)
 
     async def _sync(self) -> None:

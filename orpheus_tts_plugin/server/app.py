@@ -61,6 +61,7 @@ def create_app(
         try:
             yield
         finally:
+            service.voices.stop()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -50,6 +50,7 @@ class SharedVoices:
         self._epoch: str | None = None  # the store's, at the last sync
         self._lock = asyncio.Lock()  # one change at a time: an add, a removal or a sync
         self._last_error: str | None = None  # the last sync's failure, logged once
+        self._stopping = asyncio.Event()  # set once by stop(): run() returns at its next step
 
     async def add(self, name: str, audio: np.ndarray, transcript: str) -> None:
         """Add a voice here, then to the store; TypeError/ValueError as `add_voice` (or the name taken on another
@@ -92,8 +93,12 @@ class SharedVoices:
             await self._sync()
 
     async def run(self) -> None:
-        """Sync every `sync_s`, for the server's life; a store that cannot be reached is logged once and retried."""
-        while True:
+        """Sync every `sync_s` until stop(); a store that cannot be reached is logged once and retried.
+
+        It checks stop()'s flag after every await rather than relying on cancellation alone: Python 3.11's
+        `asyncio.wait_for` drops a cancel that arrives as its awaitable finishes (a store that answers at once), and
+        the server's shutdown then waited for this loop for ever."""
+        while not self._stopping.is_set():
             try:
                 await self.sync()
                 self._last_error = None
@@ -103,7 +108,12 @@ class SharedVoices:
                 self._last_error = str(exc)
             except Exception:  # noqa: BLE001 - a bug here must not end the syncing for the server's life
                 log.exception("cloned voices not synced")
-            await asyncio.sleep(self.sync_s)
+            with contextlib.suppress(asyncio.TimeoutError):  # the period, cut short by stop()
+                await asyncio.wait_for(self._stopping.wait(), self.sync_s)
+
+    def stop(self) -> None:
+        """End run() at its next step (the server is shutting down)."""
+        self._stopping.set()
 
     async def _sync(self) -> None:
         epoch, tags = await self._ask(self.store.listing())

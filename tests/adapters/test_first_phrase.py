@@ -28,7 +28,7 @@ from orpheus_tts_plugin import livekit as orpheus
 from orpheus_tts_plugin.first_phrase import Cut, FirstPhrase, FirstPhraseSplitter
 from orpheus_tts_plugin.pipecat import FirstPhraseTextAggregator, OrpheusTTSService
 from orpheus_tts_plugin.types import Speech
-from tests.adapters.test_pipecat import (  # noqa: F401 - pacing and replying_engine: fixtures, used by name
+from tests.adapters.test_pipecat import (  # noqa: F401 - replying_engine: a fixture, used by name
     REPLY,
     Marker,
     Speaker,
@@ -36,7 +36,6 @@ from tests.adapters.test_pipecat import (  # noqa: F401 - pacing and replying_en
     closing_engine,
     errors,
     paced,
-    pacing,
     replying_engine,
     run,
     running_pipeline,

@@ -295,25 +295,6 @@ def closing_engine(config: EngineConfig):
     asyncio.run(engine.aclose())
 
 
-@pytest.fixture(scope="module", params=sorted(PACINGS))
-def pacing(request: pytest.FixtureRequest) -> str:
-    """Each engine-behaviour test runs with generation faster than decoding (unpaced) and slower (paced)."""
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def engine(synthetic_config: EngineConfig, pacing: str):
-    """Synthetic tokens at the test's pacing, the real streaming decoder on the tiny SNAC."""
-    yield from closing_engine(paced(synthetic_config, pacing))
-
-
-@pytest.fixture
-async def held_engine(synthetic_config: EngineConfig, pacing: str) -> AsyncIterator[OrpheusEngine]:
-    """Each request stops after 10 frames until `engine.backend_control.release` is set: still generating when cut."""
-    async with controlled_engine(paced(synthetic_config, pacing), hold_after=70) as engine:
-        yield engine
-
-
 @pytest.fixture(scope="module")
 def hf_engine(hf_config: EngineConfig):
     """The full stack on the tiny random Llama: the prompt (voice, text) changes the audio."""

@@ -11,7 +11,6 @@ no test outlives.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 from pipecat.frames.frames import (
@@ -32,7 +31,7 @@ from pipecat.turns.user_start.vad_user_turn_start_strategy import VADUserTurnSta
 from pipecat.turns.user_stop.speech_timeout_user_turn_stop_strategy import SpeechTimeoutUserTurnStopStrategy
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
 
-from orpheus_tts_plugin import EngineConfig, OrpheusEngine
+from orpheus_tts_plugin import OrpheusEngine
 from orpheus_tts_plugin.first_phrase import FirstPhrase
 from orpheus_tts_plugin.pipecat import OrpheusTTSService
 from orpheus_tts_plugin.pipecat_turns import ReplyHoldFrame, ReplyReleaseFrame, SpeakAheadUserTurnStopStrategy
@@ -40,39 +39,18 @@ from orpheus_tts_plugin.reply import ReplyDiscarded, ReplySpeech, ReplyText
 from orpheus_tts_plugin.spec import SAMPLE_RATE
 from orpheus_tts_plugin.words import Pace
 from tests.adapters.test_pipecat import (
-    PACINGS,
     ScriptedLLM,
     Speaker,
     assert_audio_matches,
     audio_by_context,
-    closing_engine,
-    controlled_engine,
     engine_pcm,
     errors,
-    paced,
     running_pipeline,
     wait_until,
 )
 
 REPLY = "We are open from nine to five. On Saturdays we open at ten."
 NEVER_S = 600.0  # a confirmation timeout no test outlives: that turn is never confirmed by the timer
-
-
-@pytest.fixture(scope="module", params=sorted(PACINGS))
-def pacing(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def engine(synthetic_config: EngineConfig, pacing: str):
-    yield from closing_engine(paced(synthetic_config, pacing))
-
-
-@pytest.fixture
-async def held_engine(synthetic_config: EngineConfig, pacing: str) -> AsyncIterator[OrpheusEngine]:
-    """Each request stops after 10 frames until released: a discarded reply is certainly still generating."""
-    async with controlled_engine(paced(synthetic_config, pacing), hold_after=70) as engine:
-        yield engine
 
 
 # ------------------------------------------------------------------ the room

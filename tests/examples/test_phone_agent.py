@@ -73,6 +73,7 @@ def test_each_stage_is_timed_from_the_callers_speech_end_after_the_stage_that_ca
         [10.9, "turn_end"],
         [10.91, "llm_first_token"],
         [11.0, "first_phrase_ready"],
+        [11.15, "turn_confirmed"],  # speaking ahead: the held reply let out
         [11.2, "tts_first_audio"],
         [11.21, "transport_out"],
         [14.0, "turn_end"],  # the next turn's
@@ -88,6 +89,7 @@ def test_each_stage_is_timed_from_the_callers_speech_end_after_the_stage_that_ca
         "transport_out": 1210.0,
         "caller_first_audio": 1250.0,
         "vad_stop": 250.0,
+        "turn_confirmed": 1150.0,
     }
     assert stages_ms([], 10.0, None)["turn_end"] is None
 

@@ -4,8 +4,10 @@ which counts each once, however its stream ended; /metrics shows the counts and 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from orpheus_tts_plugin import EngineConfig, RemoteEngine
+from orpheus_tts_plugin.server import protocol
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.spec import SAMPLE_RATE, SAMPLES_PER_FRAME
 from orpheus_tts_plugin.speculation import STAT_KEYS
@@ -103,3 +105,15 @@ async def test_posted_streams_behind_a_proxy_are_counted_by_the_client_only(conf
             assert _counts(engine.stats(), dict.fromkeys(STAT_KEYS, 0)) == (0, 0, 0)
         finally:
             await client.aclose()
+
+
+def test_the_flag_travels_only_when_set_and_the_hello_says_whether_a_server_counts_speculation(
+    served: ServerThread,
+) -> None:
+    start = protocol.Start("Hi.", speculative=True)
+    assert protocol.Start.parse(start.message(3)) == start
+    assert "speculative" not in protocol.Start("Hi.").message(3)  # the start message older servers know
+    hello = served.service.hello()
+    assert hello.speculation and protocol.Hello.parse(hello.message()).speculation
+    older = replace(hello, speculation=False).message()
+    assert "speculation" not in older and not protocol.Hello.parse(older).speculation

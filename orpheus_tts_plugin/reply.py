@@ -203,6 +203,11 @@ class ReplySpeech:
         """The engine still serves (not failed or closed): a failure now concerns this reply, not the engine."""
         return self._engine.health()["status"] not in ("failed", "closed")
 
+    def _gone_while_held(self) -> asyncio.Event | None:
+        """What a wait on the engine races while the audio is held (a discard from another task); None once it is
+        out, when the framework cancels the speaking task itself and a race would only cost a task a chunk."""
+        return self._gone if self.held else None
+
     def release(self) -> None:
         """Let the held audio out at once; its speculative streams are confirmed."""
         if self._discarded or self._released.is_set():
@@ -238,7 +243,7 @@ class ReplySpeech:
         base = self.samples
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                async for chunk in _in_time(stream, timeout, self._gone if self._speculative else None):
+                async for chunk in _in_time(stream, timeout, self._gone_while_held):
                     if not self._released.is_set():
                         await _first(self._released.wait(), self._gone.wait())
                     if self._discarded:
@@ -263,23 +268,26 @@ async def _first(*waits: Awaitable[Any]) -> None:
             task.cancel()
 
 
-async def _in_time(chunks: Speech, timeout: float | None, gone: asyncio.Event | None) -> AsyncIterator[AudioChunk]:
+async def _in_time(
+    chunks: Speech, timeout: float | None, gone: Callable[[], asyncio.Event | None]
+) -> AsyncIterator[AudioChunk]:
     """The chunks of `chunks`, each within `timeout` seconds of the previous one (the first: of the request).
 
     Past it, TimeoutError; the wait was cancelled inside the engine's generator, which aborts the engine request
-    within one engine step. The wait for a cold engine's load counts too. `gone`: the wait also ends, with
-    ReplyDiscarded, when it is set (the reply is discarded from another task; a speculative reply only, as a race
-    costs a task a chunk).
+    within one engine step. The wait for a cold engine's load counts too. `gone()`, asked before each
+    wait: an event that also ends it, with ReplyDiscarded (a discard from another task), or None for a plain wait
+    (a race costs a task a chunk: only a held reply races).
     """
     while True:
         step = chunks.__anext__() if timeout is None else asyncio.wait_for(chunks.__anext__(), timeout)
         try:
-            if gone is None:
+            discarded = gone()
+            if discarded is None:
                 yield await step
                 continue
             task = asyncio.ensure_future(step)
             try:
-                await _first(asyncio.shield(task), gone.wait())
+                await _first(asyncio.shield(task), discarded.wait())
             finally:  # discarded, or this task cancelled: the engine's generator must not be left running
                 if not task.done():
                     task.cancel()  # cancelled inside the engine's generator: the request is aborted within one step

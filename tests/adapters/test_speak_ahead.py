@@ -65,14 +65,19 @@ def test_reply_text_gives_the_first_phrase_then_each_sentence_once_the_next_begi
     assert text.held == "Seven" and text.finish() == ["Seven"]
 
 
-async def test_a_held_reply_gives_out_nothing_until_released_then_all_of_it(engine: OrpheusEngine) -> None:
+def speaking_held(engine: OrpheusEngine) -> tuple[ReplySpeech, list[bytes], asyncio.Task[None]]:
+    """A held reply speaking REPLY in a task of its own, and the audio it has given out so far."""
     reply = ReplySpeech(engine, engine.check_options(seed=1), Pace(), held=True)
     got: list[bytes] = []
 
     async def speak() -> None:
         got.extend([spoken.chunk.pcm async for spoken in reply.speak(REPLY)])
 
-    task = asyncio.create_task(speak())
+    return reply, got, asyncio.create_task(speak())
+
+
+async def test_a_held_reply_gives_out_nothing_until_released_then_all_of_it(engine: OrpheusEngine) -> None:
+    reply, got, task = speaking_held(engine)
     await wait_until(lambda: engine.stats()["active_streams"] == 1, timeout=30)  # the engine is speaking it
     await asyncio.sleep(0.2)
     assert got == [] and reply.held
@@ -82,13 +87,7 @@ async def test_a_held_reply_gives_out_nothing_until_released_then_all_of_it(engi
 
 
 async def test_a_discarded_reply_aborts_its_engine_stream_and_gives_out_nothing(held_engine: OrpheusEngine) -> None:
-    reply = ReplySpeech(held_engine, held_engine.check_options(seed=1), Pace(), held=True)
-    got: list[bytes] = []
-
-    async def speak() -> None:
-        got.extend([spoken.chunk.pcm async for spoken in reply.speak(REPLY)])
-
-    task = asyncio.create_task(speak())
+    reply, got, task = speaking_held(held_engine)
     await wait_until(lambda: held_engine.stats()["active_streams"] == 1, timeout=30)
     await reply.discard()
     with pytest.raises(ReplyDiscarded):

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from orpheus_tts_plugin import EngineConfig
+from orpheus_tts_plugin.client.upstream import server_urls
 from orpheus_tts_plugin.errors import EngineError
 from orpheus_tts_plugin.preflight import check_before_load
-from orpheus_tts_plugin.server.upstream import server_urls
 from orpheus_tts_plugin.spec import spec_for
 
 # Setting → its environment variable (the flag of the same name, `--snac`, `--server-url`, ..., overrides it).

@@ -48,7 +48,7 @@ def __getattr__(name: str) -> Any:
 
         return OrpheusTTSService
     if name == "RemoteEngine":
-        from .server.client import RemoteEngine
+        from .client.remote_engine import RemoteEngine
 
         return RemoteEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,7 +63,7 @@ def prewarm_engine(engine: SpeechEngine | EngineConfig | None = None) -> SpeechE
 def remote_engine(url: str | Sequence[str]) -> SpeechEngine:
     """This process's RemoteEngine for an `orpheus-tts serve` URL, or for several servers (a sequence or a
     comma-separated string: each stream goes to the least-loaded); one connection per server, made at once."""
-    from .server.client import RemoteEngine
+    from .client.remote_engine import RemoteEngine
 
     engine = RemoteEngine.shared(url)
     engine.prewarm()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """`orpheus-tts serve` against careless and hostile clients, as figures (tests/server/test_policy.py and
-tests/server/test_upstream.py assert the same behaviours without timing).
+tests/client/test_upstream.py assert the same behaviours without timing).
 
     python scripts/hostile_checks.py --snac DIR/snac [--parts inputs,health,stall,failover] [--json out.json]
 

@@ -40,7 +40,7 @@ AGENT_MODULES = [
     "examples.pipecat_phone_agent.offline_responder",
     "examples.pipecat_phone_agent.openai_llm",
     "orpheus_tts_plugin.backends.hf",
-    "orpheus_tts_plugin.server.client",
+    "orpheus_tts_plugin.client.remote_engine",
 ]
 # A Ray replica's process (deploy/kuberay/rayservice.yaml): the app, its router, the manifest's backend. Ray's image
 # ships Ray, and Ray brings psutil and colorama in its own wheel (ray/thirdparty_files, on sys.path once ray is

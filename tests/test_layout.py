@@ -103,6 +103,21 @@ def test_the_runtime_never_imports_the_workshop_and_config_imports_nothing_of_th
     assert not any(t.startswith(f"{NAME}.engine") for t in graph[f"{NAME}.backends"])
 
 
+def test_the_server_and_its_client_import_only_the_wire_of_each_other() -> None:
+    graph = import_graph()
+
+    def reaches(half: str, other: str) -> dict[str, list[str]]:
+        inside = [m for m in graph if m == f"{NAME}.{half}" or m.startswith(f"{NAME}.{half}.")]
+        return {m: sorted(t for t in graph[m] if t.startswith(f"{NAME}.{other}")) for m in inside}
+
+    assert reaches("server", "client") == {m: [] for m in reaches("server", "client")}
+    assert reaches("client", "server") == {m: [] for m in reaches("client", "server")}
+    for half in ("server", "client"):
+        assert reaches("wire", half) == {m: [] for m in reaches("wire", half)}
+    assert f"{NAME}.wire.protocol" in graph[f"{NAME}.server.mux"]
+    assert f"{NAME}.wire.protocol" in graph[f"{NAME}.client.connection"]
+
+
 def test_the_package_uses_relative_imports_only() -> None:
     absolute = [
         f"{path.relative_to(PACKAGE)}:{node.lineno}"

@@ -30,9 +30,9 @@ from orpheus_tts_plugin import RemoteEngine
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.engine import OrpheusEngine
 from orpheus_tts_plugin.errors import EngineError, Failure, failure_of
-from orpheus_tts_plugin.server import protocol
 from orpheus_tts_plugin.tools.loopback import free_port
-from tests.server.harness import PACES, TEXT
+from orpheus_tts_plugin.wire import protocol
+from tests.served import PACES, TEXT
 from tests.servers import until
 
 ray = pytest.importorskip("ray", reason="the `ray` extra is not installed")
@@ -576,7 +576,7 @@ async def test_a_node_removed_mid_stream_ends_its_streams_retryably_and_new_stre
         errors = [t.result() for t in done]
         assert len(running) > 0 and len(errors) in spread.values()  # the worker's streams ended, the head's go on
         assert all(type(e) is EngineError and "lost" in str(e) for e, _ in errors), errors
-        # The error a killed `serve` gives (tests/server/test_upstream.py): Pipecat's and LiveKit's adapters map it
+        # The error a killed `serve` gives (tests/client/test_upstream.py): Pipecat's and LiveKit's adapters map it
         # the same way, a failed stream of an engine that serves (LiveKit retries it, APIConnectionError).
         serving = remote.health()["status"] not in ("failed", "closed")
         assert serving and all(failure_of(e, serving=serving) is Failure.STREAM_FAILED for e, _ in errors)

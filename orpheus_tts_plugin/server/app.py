@@ -20,7 +20,8 @@ try:
 except ImportError as exc:
     raise missing_extra("server", "orpheus-tts serve", exc) from None
 
-from . import protocol, voices
+from ..wire import protocol
+from . import voices
 from .http_errors import error_json
 from .http_stream import http_stream
 from .mux import Mux

@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from ..errors import EngineFailedError, EngineOverloadedError
-from . import protocol
+from ..wire import protocol
 from .policy import LimitError, StreamLimitError
 
 KINDS = {  # status → OpenAI's error type

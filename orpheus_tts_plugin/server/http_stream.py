@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import EngineError
-from . import protocol
+from ..wire import protocol
 from .service import Service
 from .speech import _DeadlineStreamingResponse, read_json
 

@@ -14,7 +14,7 @@ from starlette.websockets import WebSocket
 from ..errors import EngineError
 from ..spec import SAMPLE_RATE
 from ..speculation import Speculation
-from . import protocol
+from ..wire import protocol
 from .policy import SlowConsumerError, StreamLimitError, bearer
 from .service import Service
 

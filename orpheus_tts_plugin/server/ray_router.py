@@ -19,7 +19,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from .routing import least_loaded
+from ..wire.routing import least_loaded
 
 IMPORT_PATH = "orpheus_tts_plugin.server.ray_router:FewestStreamsRouter"
 

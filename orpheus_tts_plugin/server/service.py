@@ -15,7 +15,7 @@ from ..errors import EngineError, EngineOverloadedError
 from ..spec import SAMPLE_RATE
 from ..speculation import Speculation
 from ..types import AudioChunk, Usage
-from . import protocol
+from ..wire import protocol
 from .metrics import Metrics
 from .policy import LimitError, Policy, StreamLimitError
 from .shared_voices import SharedVoices

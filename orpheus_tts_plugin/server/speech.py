@@ -35,7 +35,7 @@ from ..config import SAMPLING_FIELDS, SamplingOverrides, check_speed
 from ..errors import EngineError
 from ..spec import SAMPLE_RATE
 from ..types import AudioChunk, Usage
-from . import protocol
+from ..wire import protocol
 from .encoders import DEFAULT_FORMAT, FORMATS, AudioFormat, Encoder
 from .http_errors import error_object, error_response
 from .policy import LimitError, Policy

@@ -35,8 +35,8 @@ from .bench.utterances import UTTERANCES
 from .loopback import free_port
 
 if TYPE_CHECKING:
+    from ..client.connection import Connection
     from ..engine import OrpheusEngine
-    from ..server.connection import Connection
     from ..types import AudioChunk
 
 SCHEMES = ("reuse", "fresh", "in-process")
@@ -130,7 +130,7 @@ class _Reused:
         self.conn = conn
 
     def synthesize(self, text: str) -> AsyncGenerator[AudioChunk, None]:
-        from ..server.protocol import Start
+        from ..wire.protocol import Start
 
         return self.conn.stream(Start(text))
 
@@ -147,8 +147,8 @@ class _Fresh:
         self.turn = 0
 
     async def synthesize(self, text: str) -> AsyncGenerator[AudioChunk, None]:
-        from ..server.connection import Connection
-        from ..server.protocol import Start
+        from ..client.connection import Connection
+        from ..wire.protocol import Start
 
         url = self.urls[self.turn % len(self.urls)]
         self.turn += 1
@@ -194,8 +194,8 @@ async def _warm(client: Any) -> None:
 async def _reused(url: str, cafile: str | None) -> Any:
     """The worker's client of the production pattern: one connection, or a RemoteEngine over several servers
     (connected to each before the point starts)."""
-    from ..server.client import RemoteEngine
-    from ..server.connection import Connection
+    from ..client.connection import Connection
+    from ..client.remote_engine import RemoteEngine
 
     if len(_urls(url)) == 1:
         return _Reused(await Connection.open(url, ssl=_ssl_context(cafile)))
@@ -205,7 +205,7 @@ async def _reused(url: str, cafile: str | None) -> Any:
 
 
 def _urls(url: str) -> tuple[str, ...]:
-    from ..server.upstream import server_urls
+    from ..client.upstream import server_urls
 
     return server_urls(url)
 
@@ -291,7 +291,7 @@ def _servers_stats(url: str, cafile: str | None, warm: bool = False) -> dict[str
 
 async def _server_stats(url: str, cafile: str | None, warm: bool = False) -> dict[str, Any]:
     """The server's stats over a connection of its own (after one utterance, if `warm`)."""
-    from ..server.connection import Connection
+    from ..client.connection import Connection
 
     conn = await Connection.open(url, ssl=_ssl_context(cafile))
     try:
@@ -406,7 +406,7 @@ def run(opts: LoadOptions) -> dict[str, Any]:
 def _api_key(opts: LoadOptions) -> Iterator[None]:
     """For the run: $ORPHEUS_API_KEY, which every connection of this process and of its workers sends, set to
     `opts.api_key` or else the first `--api-key` of `opts.serve` (unchanged if neither)."""
-    from ..server.connection import API_KEY_ENV
+    from ..client.connection import API_KEY_ENV
 
     served = _serve_parser().parse_args(shlex.split(opts.serve)).api_key if opts.serve else []
     key = opts.api_key or (served[0] if served else None)

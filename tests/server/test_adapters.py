@@ -15,7 +15,7 @@ import pytest
 from orpheus_tts_plugin import EngineConfig, RemoteEngine
 from orpheus_tts_plugin.cli import build_parser
 from orpheus_tts_plugin.server.serve import ServerThread, engine_config
-from tests.server.harness import assert_same_audio, engine_of, http, pcm_of, serving
+from tests.served import assert_same_audio, engine_of, http, pcm_of, serving
 
 TEXT = "Hello there."
 SAMPLING = {"seed": 3, "max_tokens": 49}

@@ -12,7 +12,7 @@ from orpheus_tts_plugin import (
 )
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
 from orpheus_tts_plugin.server.serve import ServerThread, serving_in_thread
-from tests.server.harness import (
+from tests.served import (
     engine_of,
     http,
     metric,

@@ -12,7 +12,7 @@ import pytest
 from orpheus_tts_plugin import EngineConfig, SyntheticConfig
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from tests.server.harness import MAX_STREAMS, TEXT, engine_of, pcm_of
+from tests.served import MAX_STREAMS, TEXT, engine_of, pcm_of
 from tests.server.test_openai_formats import SLACK
 
 

@@ -20,7 +20,7 @@ from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.server.policy import Policy
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from tests.server.harness import TEXT, assert_same_audio, engine_of, pcm_of, serving
+from tests.served import TEXT, assert_same_audio, engine_of, pcm_of, serving
 
 
 @pytest.fixture

@@ -32,10 +32,10 @@ from orpheus_tts_plugin import (
     SamplingOverrides,
 )
 from orpheus_tts_plugin import SyntheticConfig as Synthetic
-from orpheus_tts_plugin.server import protocol
 from orpheus_tts_plugin.server.policy import Policy, bearer, load_keys
 from orpheus_tts_plugin.server.serve import ServerThread, _loopback, serving_in_thread
-from tests.server.harness import PACES, TEXT
+from orpheus_tts_plugin.wire import protocol
+from tests.served import PACES, TEXT
 
 KEY, OTHER_KEY, METRICS_KEY = "k-" + "a" * 30, "k-" + "b" * 30, "m-" + "c" * 30
 SHORT = {"model": "m", "input": TEXT, "max_tokens": 200}  # an HTTP request that ends

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orpheus_tts_plugin.server import protocol
 from orpheus_tts_plugin.server.serve import ServerThread
+from orpheus_tts_plugin.wire import protocol
 
 
 @pytest.mark.parametrize(

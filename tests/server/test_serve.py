@@ -22,7 +22,7 @@ from orpheus_tts_plugin import EngineConfig, EngineError, EngineOverloadedError,
 from orpheus_tts_plugin.cli import build_parser
 from orpheus_tts_plugin.server.serve import engine_config
 from orpheus_tts_plugin.tools.loopback import free_port
-from tests.server.harness import PACES, TEXT, endless, serving
+from tests.served import PACES, TEXT, endless, serving
 from tests.servers import ready_status, serve_args, serve_process, until
 
 HOLD_TOKENS = {"fast": 7000, "paced": 2000}  # a few seconds of one stream either way (decoding or generating)

@@ -7,11 +7,11 @@ import asyncio
 from dataclasses import replace
 
 from orpheus_tts_plugin import EngineConfig, RemoteEngine
-from orpheus_tts_plugin.server import protocol
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.spec import SAMPLE_RATE, SAMPLES_PER_FRAME
 from orpheus_tts_plugin.speculation import STAT_KEYS
-from tests.server.harness import TEXT, engine_of, idle, metric, serving, until
+from orpheus_tts_plugin.wire import protocol
+from tests.served import TEXT, engine_of, idle, metric, serving, until
 
 SHORT = {"text": "Hello there.", "max_tokens": 56}  # ends whole soon at either pace
 SETTLED = "orpheus_speculative_streams_settled_total"

@@ -23,7 +23,7 @@ from orpheus_tts_plugin.server.policy import Policy
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.server.voice_store import DirectoryVoiceStore
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE
-from tests.server.harness import assert_same_audio, engine_of, pcm_of, serving, until
+from tests.served import assert_same_audio, engine_of, pcm_of, serving, until
 
 KEY = "voice-key"
 TRANSCRIPT = "This is how I sound."

@@ -23,7 +23,7 @@ try:
 except ImportError as exc:
     raise missing_extra("server", "RemoteEngine", exc) from None
 from ..mailbox import Mailbox
-from . import protocol
+from ..wire import protocol
 
 log = logging.getLogger(__name__)
 

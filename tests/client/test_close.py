@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from orpheus_tts_plugin import EngineClosedError, EngineError, RemoteEngine
-from orpheus_tts_plugin.server.connection import CLOSE_TIMEOUT_S
+from orpheus_tts_plugin.client.connection import CLOSE_TIMEOUT_S
 from orpheus_tts_plugin.tools.loopback import free_port
 from orpheus_tts_plugin.types import AudioChunk
-from tests.server.harness import PACES, TEXT
+from tests.served import PACES, TEXT
 from tests.servers import serve_args, serve_process
 
 PROMPT_S = CLOSE_TIMEOUT_S + 2.0  # a close may wait out one close handshake; a hang waits for ever

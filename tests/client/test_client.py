@@ -16,7 +16,7 @@ from orpheus_tts_plugin import (
 )
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from tests.server.harness import (
+from tests.served import (
     MAX_STREAMS,
     TEXT,
     assert_same_audio,

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ..errors import EngineError, KeyRefusedError
-from . import protocol
+from ..wire import protocol
+from ..wire.routing import least_loaded
 from .connection import Connection, Deliver, endpoint
-from .routing import least_loaded
 
 if TYPE_CHECKING:
     from .stream_posts import PostedConnection, StreamPosts

@@ -29,7 +29,7 @@ from ..spec import SAMPLE_RATE, SPECS, ModelSpec, spec_for
 from ..speculation import CONFIRMED, Speculation, SpeculationTally
 from ..text import split_sentences
 from ..types import AudioChunk, Speech, SpeechOptions
-from . import protocol
+from ..wire import protocol
 from .connection import API_KEY_ENV, CLOSE_TIMEOUT_S, Connection, Item, to_mailbox
 from .upstream import Upstream, choose, server_urls
 

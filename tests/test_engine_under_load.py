@@ -370,18 +370,6 @@ async def test_rss_stays_flat_over_a_thousand_interrupted_streams(config: Engine
     assert rss[1000] - rss[200] <= 100, rss
 
 
-async def test_a_compiled_engine_warms_every_bucket_at_start_and_speaks_as_the_eager_one(
-    synthetic_config: EngineConfig,
-) -> None:
-    config = replace(synthetic_config, max_streams=1)  # 4 buckets to compile (1 row): at 2 streams 8, twice the time
-    async with started(config) as eager:
-        expected = await pcm(eager, SIX, seed=3)
-    async with started(replace(config, compile=True)) as compiled:
-        calls = compiled.stats()["decoder_calls"]  # the warm-up ran every bucket before start() returned
-        assert max_diff(await pcm(compiled, SIX, seed=3), expected) <= 2
-        assert calls == 0 and compiled.stats()["decoder_calls"] > 0
-
-
 async def test_chunks_name_their_sentence_and_mark_its_end(config: EngineConfig) -> None:
     config = replace(config, sentence_max_chars=40)
     async with started(config) as engine:

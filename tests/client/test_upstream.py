@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator
@@ -134,6 +135,17 @@ async def connected(urls: list[str], **options: Any) -> RemoteEngine:
     return remote
 
 
+@contextlib.contextmanager
+def serve_processes_on_loopback(
+    n: int, test_model_dir: Path, speed: float, tmp_path: Path
+) -> Iterator[tuple[list[str], list[subprocess.Popen]]]:
+    """`n` `orpheus-tts serve` processes on free loopback ports (the test model's SNAC at `speed`): urls, processes."""
+    ports = [free_port() for _ in range(n)]
+    args = [serve_args(test_model_dir / "snac", port, speed) for port in ports]
+    with serve_processes(args, tmp_path / "serve.log") as procs:
+        yield [f"ws://127.0.0.1:{port}" for port in ports], procs
+
+
 # ---------------------------------------------------------------------------------------------- where streams go
 async def test_a_burst_of_starts_fills_the_least_loaded_servers_evenly_before_any_status_counts_it(
     config: EngineConfig,
@@ -248,10 +260,7 @@ async def test_a_killed_server_ends_its_streams_with_a_retryable_error_and_new_s
 ) -> None:
     from orpheus_tts_plugin.livekit import _api_error
 
-    ports = [free_port() for _ in range(3)]
-    urls = [f"ws://127.0.0.1:{port}" for port in ports]
-    args = [serve_args(test_model_dir / "snac", port, speed) for port in ports]
-    with serve_processes(args, tmp_path / "serve.log") as procs:
+    with serve_processes_on_loopback(3, test_model_dir, speed, tmp_path) as (urls, procs):
         remote = await connected(urls, connect_timeout_s=0.5, backoff_s=(0.05, 0.5))
         try:
             streams = [remote.synthesize(LONG, seed=i, max_tokens=1_000_000) for i in range(6)]
@@ -295,10 +304,7 @@ async def test_a_killed_server_ends_its_streams_with_a_retryable_error_and_new_s
 async def test_a_server_that_stops_answering_is_left_after_its_keepalive_and_used_again_when_back(
     test_model_dir: Path, tmp_path: Path, speed: float
 ) -> None:
-    ports = [free_port() for _ in range(2)]
-    urls = [f"ws://127.0.0.1:{port}" for port in ports]
-    args = [serve_args(test_model_dir / "snac", port, speed) for port in ports]
-    with serve_processes(args, tmp_path / "serve.log") as procs:
+    with serve_processes_on_loopback(2, test_model_dir, speed, tmp_path) as (urls, procs):
         remote = await connected(urls, connect_timeout_s=0.5, backoff_s=(0.05, 0.5), keepalive_s=(0.5, 2.0))
         try:
             stream = remote.synthesize(LONG, seed=1, max_tokens=1_000_000)  # idle servers, first turn: the first
@@ -396,10 +402,7 @@ async def test_a_cancelled_start_leaves_the_remote_engine_as_it_was(config: Engi
 async def test_a_server_killed_while_idle_costs_no_stream_a_burst_right_after_all_speak(
     test_model_dir: Path, tmp_path: Path, speed: float
 ) -> None:
-    ports = [free_port() for _ in range(3)]
-    urls = [f"ws://127.0.0.1:{port}" for port in ports]
-    args = [serve_args(test_model_dir / "snac", port, speed) for port in ports]
-    with serve_processes(args, tmp_path / "serve.log") as procs:
+    with serve_processes_on_loopback(3, test_model_dir, speed, tmp_path) as (urls, procs):
         remote = await connected(urls, connect_timeout_s=2.0, backoff_s=(0.05, 0.5))
         try:
             # The client hears of an idle server's death only from its socket's close, which races new streams. The

@@ -42,8 +42,14 @@ def vllm_config(test_model_dir: Path):
     """An engine on the vllm backend over the test model, on CPU (what the engine-level tests start)."""
     from orpheus_tts_plugin import EngineConfig
 
+    # queue_timeout_s: no test here is about overload, and a 433-token cloned prompt's prefill on the CPU build, run
+    # beside the oldest-versions tests at nice 19 (.ci/run), took longer than the default 2 s to its first token.
     return EngineConfig(
-        backend="vllm", model=str(test_model_dir / "orpheus"), snac=str(test_model_dir / "snac"), device="cpu"
+        backend="vllm",
+        model=str(test_model_dir / "orpheus"),
+        snac=str(test_model_dir / "snac"),
+        device="cpu",
+        queue_timeout_s=60.0,
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 from .config import EngineConfig, SamplingOverrides, SamplingParams, SyntheticConfig
-from .engine import OrpheusEngine
+from .engine.core import OrpheusEngine
 from .errors import (
     EngineClosedError,
     EngineError,
@@ -44,7 +44,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """Framework adapters and RemoteEngine load on first use: importing the package imports no Pipecat or websockets."""
     if name == "OrpheusTTSService":
-        from .pipecat import OrpheusTTSService
+        from .pipecat.tts import OrpheusTTSService
 
         return OrpheusTTSService
     if name == "RemoteEngine":

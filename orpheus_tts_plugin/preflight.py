@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 
 from .config import COMPLETIONS_BACKENDS, EngineConfig
-from .device import resolve_device
+from .engine.device import resolve_device
 from .spec import spec_for
 from .weights import require_weights, weight_sources
 

@@ -141,7 +141,7 @@ def _decoder_batch(
     One decoder per mode serves every batch size (its buckets are shared), so each shape compiles or is
     captured once; the first steady tick's time, compilation included, is reported apart.
     """
-    from orpheus_tts_plugin.decoder import StreamingDecoder
+    from orpheus_tts_plugin.codec.decoder import StreamingDecoder
     from orpheus_tts_plugin.tools.bench.reference import reference_decode
 
     frames = np.random.default_rng(batch).integers(0, 4096, size=(batch, 64, 7))
@@ -198,7 +198,7 @@ def _decoder_batch(
 
 def part_decoder(assets: dict[str, str], plan: Plan, clock: Clock, device: str) -> dict[str, Any]:
     """(a) Decoder throughput by batch size; x_rt = audio seconds decoded per wall second (real-time streams)."""
-    from orpheus_tts_plugin.snac import load_snac
+    from orpheus_tts_plugin.codec.snac import load_snac
 
     snac = load_snac(assets["snac"], device)
     decoders: dict[str, Any] = {}
@@ -346,7 +346,7 @@ def part_backend(assets: dict[str, Any], plan: Plan, clock: Clock, device: str) 
     """(b) hf backend, all requests at once per level: time to first token / first 28 tokens, steady tokens/s."""
     from transformers import AutoTokenizer
 
-    from orpheus_tts_plugin.prompt import prompt_ids
+    from orpheus_tts_plugin.speech.prompt import prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(assets["tokenizer"])
     prompt = prompt_ids(tokenizer, ENGLISH, "Thanks for calling. How can I help you today?", "tara")

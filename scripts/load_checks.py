@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from orpheus_tts_plugin import EngineConfig, EngineError, OrpheusEngine, SyntheticConfig
-from orpheus_tts_plugin.decoder import StreamingDecoder
-from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.codec.decoder import StreamingDecoder
+from orpheus_tts_plugin.codec.snac import load_snac
 from orpheus_tts_plugin.tools.bench.common import print_table, run_metadata, write_json
 
 SIX = (

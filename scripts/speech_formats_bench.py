@@ -25,7 +25,7 @@ import numpy as np
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.server.encoders import FORMATS, Encoder
 from orpheus_tts_plugin.server.serve import serving_in_thread
-from orpheus_tts_plugin.stretch import Stretch
+from orpheus_tts_plugin.speech.stretch import Stretch
 from orpheus_tts_plugin.tools.bench.common import host_line, print_rows
 
 TEXT = "Hello there. How are you today?"

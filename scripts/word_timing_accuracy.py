@@ -1,4 +1,4 @@
-"""How far the word-timestamp estimate (orpheus_tts_plugin/words.py) is from real word times.
+"""How far the word-timestamp estimate (orpheus_tts_plugin/speech/words.py) is from real word times.
 
 espeak-ng speaks a corpus of phone-agent sentences (short, long, with numbers, with commas) at several
 rates, and reports through libespeak-ng's word events (`espeakEVENT_WORD`, sample-accurate) where each
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from orpheus_tts_plugin.words import (
+from orpheus_tts_plugin.speech.words import (
     DEFAULT_WEIGHTS,
     Pace,
     Span,

@@ -37,7 +37,7 @@ def full_snac_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def full_snac(full_snac_dir: Path) -> Any:
     """The full 24 kHz SNAC (random weights), loaded once: read by every test, changed by none."""
-    from orpheus_tts_plugin.snac import load_snac
+    from orpheus_tts_plugin.codec.snac import load_snac
 
     return load_snac(str(full_snac_dir))
 
@@ -45,7 +45,7 @@ def full_snac(full_snac_dir: Path) -> Any:
 @pytest.fixture(scope="session")
 def tiny_snac(test_model_dir: Path) -> Any:
     """The test model's tiny SNAC, loaded once: read by every test, changed by none."""
-    from orpheus_tts_plugin.snac import load_snac
+    from orpheus_tts_plugin.codec.snac import load_snac
 
     return load_snac(str(test_model_dir / "snac"))
 

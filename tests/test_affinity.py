@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from orpheus_tts_plugin.affinity import allowed_cpus, parse_cpus
 from orpheus_tts_plugin.cli import main
+from orpheus_tts_plugin.runtime.affinity import allowed_cpus, parse_cpus
 
 CPUS = sorted(allowed_cpus())
 
@@ -53,7 +53,7 @@ def test_pinning_moves_every_running_thread_and_what_the_process_starts_later() 
     code = textwrap.dedent(
         f"""
         import os, subprocess, sys, threading
-        from orpheus_tts_plugin.affinity import pin_process
+        from orpheus_tts_plugin.runtime.affinity import pin_process
         started = threading.Event(); stop = threading.Event()
         def wait():
             started.set(); stop.wait()

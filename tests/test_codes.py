@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orpheus_tts_plugin.codes import FrameParser, frames_to_levels
+from orpheus_tts_plugin.codec.codes import FrameParser, frames_to_levels
 from orpheus_tts_plugin.spec import ENGLISH
 
 

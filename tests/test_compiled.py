@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from orpheus_tts_plugin import EngineConfig
-from orpheus_tts_plugin.decoder import StreamingDecoder
-from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.codec.decoder import StreamingDecoder
+from orpheus_tts_plugin.codec.snac import load_snac
 from tests.served import assert_same_audio, pcm_of
 from tests.stubs import started
 from tests.test_decoder import random_frames, steady_chunks

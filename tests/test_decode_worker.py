@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from orpheus_tts_plugin.decode_worker import held_until
-from orpheus_tts_plugin.decoder import DecodeState
+from orpheus_tts_plugin.codec.decoder import DecodeState
+from orpheus_tts_plugin.engine.decode_worker import held_until
 from orpheus_tts_plugin.spec import SAMPLE_RATE
 
 

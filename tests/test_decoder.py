@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orpheus_tts_plugin.decoder import NullDecoder, StreamingDecoder
-from orpheus_tts_plugin.snac import FADE_SAMPLES, SNAC24_LATENCY, offline_decode
+from orpheus_tts_plugin.codec.decoder import NullDecoder, StreamingDecoder
+from orpheus_tts_plugin.codec.snac import FADE_SAMPLES, SNAC24_LATENCY, offline_decode
 from orpheus_tts_plugin.spec import SAMPLES_PER_FRAME
 from orpheus_tts_plugin.tools.bench.reference import reference_decode
 

@@ -15,7 +15,7 @@ import pytest
 
 from orpheus_tts_plugin import EngineConfig, EngineError, EngineOverloadedError, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
-from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.codec.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLE_RATE, SAMPLES_PER_FRAME
 from orpheus_tts_plugin.tools.replay import replay_offline
 from tests.stubs import SPEED_IDS, SPEEDS, GatedBackend

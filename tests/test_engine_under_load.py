@@ -23,11 +23,11 @@ from orpheus_tts_plugin import (
     SyntheticConfig,
 )
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
-from orpheus_tts_plugin.decoder import StreamingDecoder
-from orpheus_tts_plugin.prompt import sentence_requests
-from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.codec.decoder import StreamingDecoder
+from orpheus_tts_plugin.codec.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
-from orpheus_tts_plugin.text import split_sentences
+from orpheus_tts_plugin.speech.prompt import sentence_requests
+from orpheus_tts_plugin.speech.text import split_sentences
 from tests.stubs import SPEED_IDS, SPEEDS, GatedBackend, started
 
 SIX = (

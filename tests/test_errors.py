@@ -39,7 +39,7 @@ def test_each_failure_is_classified_by_its_type_and_whether_the_engine_still_ser
 def test_both_adapters_map_every_kind_of_failure() -> None:
     pytest.importorskip("pipecat")
     pytest.importorskip("livekit.agents")
-    from orpheus_tts_plugin.livekit import _API_ERRORS
-    from orpheus_tts_plugin.pipecat_health import _REPORTS
+    from orpheus_tts_plugin.livekit.tts import _API_ERRORS
+    from orpheus_tts_plugin.pipecat.health import _REPORTS
 
     assert set(_REPORTS) == set(Failure) == set(_API_ERRORS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orpheus_tts_plugin.gemm import PACKED_MAX_COLUMNS, PACKED_MIN_ELEMENTS, FixedWeight
+from orpheus_tts_plugin.codec.gemm import PACKED_MAX_COLUMNS, PACKED_MIN_ELEMENTS, FixedWeight
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,8 @@ def test_the_packed_weight_serves_only_large_weights_at_few_columns(weight: torc
 
 
 def test_a_decoder_built_for_compilation_packs_nothing(full_snac_dir) -> None:
-    from orpheus_tts_plugin.decoder import StreamingDecoder
-    from orpheus_tts_plugin.snac import load_snac
+    from orpheus_tts_plugin.codec.decoder import StreamingDecoder
+    from orpheus_tts_plugin.codec.snac import load_snac
 
     snac = load_snac(str(full_snac_dir))
     eager, compiled = StreamingDecoder(snac, max_streams=1), StreamingDecoder(snac, max_streams=1, compile=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from orpheus_tts_plugin.layers import _Conv, _ConvTranspose, build_layers
+from orpheus_tts_plugin.codec.layers import _Conv, _ConvTranspose, build_layers
 from orpheus_tts_plugin.tools.bench.layers import CLIFF_RATIO, profile
 
 
@@ -31,7 +31,7 @@ def test_the_layers_mirror_snacs_decoder_less_its_final_tanh(tiny_snac) -> None:
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_building_and_running_the_layers_leaves_snacs_weights_as_they_were(tiny_snac, packed: bool) -> None:
-    from orpheus_tts_plugin.decoder import StreamingDecoder
+    from orpheus_tts_plugin.codec.decoder import StreamingDecoder
 
     before = {k: v.clone() for k, v in tiny_snac.state_dict().items()}
     decoder = StreamingDecoder(tiny_snac, max_streams=1)

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from orpheus_tts_plugin.loop_thread import LoopThread, Outbox, SharedInstances, post
-from orpheus_tts_plugin.mailbox import Mailbox
+from orpheus_tts_plugin.runtime.loop_thread import LoopThread, Outbox, SharedInstances, post
+from orpheus_tts_plugin.runtime.mailbox import Mailbox
 
 
 class _Stream:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from orpheus_tts_plugin.mailbox import Mailbox
+from orpheus_tts_plugin.runtime.mailbox import Mailbox
 
 
 async def test_a_mailbox_hands_out_items_in_order_then_its_end() -> None:

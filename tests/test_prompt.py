@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from orpheus_tts_plugin.prompt import prompt_ids, token_budget
 from orpheus_tts_plugin.spec import ENGLISH
+from orpheus_tts_plugin.speech.prompt import prompt_ids, token_budget
 
 
 class _Tok:

@@ -28,7 +28,7 @@ import pytest
 
 from orpheus_tts_plugin import RemoteEngine
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
-from orpheus_tts_plugin.engine import OrpheusEngine
+from orpheus_tts_plugin.engine.core import OrpheusEngine
 from orpheus_tts_plugin.errors import EngineError, Failure, failure_of
 from orpheus_tts_plugin.tools.loopback import free_port
 from orpheus_tts_plugin.wire import protocol
@@ -554,7 +554,7 @@ async def test_a_node_removed_mid_stream_ends_its_streams_retryably_and_new_stre
     nodes: Nodes, test_model_dir: Path
 ) -> None:
     """Last in the module: the cluster keeps one node after it."""
-    from orpheus_tts_plugin.livekit import _api_error
+    from orpheus_tts_plugin.livekit.tts import _api_error
 
     clear()
     deploy(test_model_dir, "paced")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from orpheus_tts_plugin.snac import FADE_SAMPLES, fade_edges, load_snac, offline_decode, to_int16
+from orpheus_tts_plugin.codec.snac import FADE_SAMPLES, fade_edges, load_snac, offline_decode, to_int16
 from orpheus_tts_plugin.spec import SAMPLES_PER_FRAME
 
 

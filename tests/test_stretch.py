@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from orpheus_tts_plugin.stretch import Stretch
+from orpheus_tts_plugin.speech.stretch import Stretch
 
 HZ = 440.0  # a voice's range; 2 % of it is 8.8 Hz, many FFT bins of the second measured below
 SECONDS = 3.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orpheus_tts_plugin.text import normalize, split_sentences
+from orpheus_tts_plugin.speech.text import normalize, split_sentences
 
 
 def test_normalize_removes_control_characters_and_keeps_tags() -> None:

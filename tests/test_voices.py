@@ -246,7 +246,7 @@ async def test_removing_a_voice_frees_its_cached_prefix(hf_config: EngineConfig)
 
 
 def test_reference_codes_are_within_the_codebook(tiny_snac: Any) -> None:
-    from orpheus_tts_plugin.voices import encode_frames
+    from orpheus_tts_plugin.speech.voices import encode_frames
 
     frames = encode_frames(tiny_snac, voice_audio(1.0))
     assert frames.shape == (12, 7) and frames.min() >= 0 and frames.max() < CODEBOOK_SIZE

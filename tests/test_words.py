@@ -1,4 +1,4 @@
-"""The word-timestamp estimator (orpheus_tts_plugin/words.py): weights, the full view, the incremental view."""
+"""The word-timestamp estimator (orpheus_tts_plugin/speech/words.py): weights, the full view, the incremental view."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from orpheus_tts_plugin.words import (
+from orpheus_tts_plugin.speech.words import (
     DEFAULT_WEIGHTS,
     Pace,
     Span,

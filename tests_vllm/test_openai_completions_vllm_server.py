@@ -21,7 +21,7 @@ from conftest import PYTHON, invalid_positions, run_server
 from orpheus_tts_plugin.backends.openai_completions import OpenAICompletionsBackend
 from orpheus_tts_plugin.backends.protocol import FinishReason, GenerationRequest
 from orpheus_tts_plugin.backends.vllm_logits import FQCN
-from orpheus_tts_plugin.codes import FrameParser
+from orpheus_tts_plugin.codec.codes import FrameParser
 from orpheus_tts_plugin.config import SamplingParams
 from orpheus_tts_plugin.spec import ENGLISH
 from orpheus_tts_plugin.tools.loopback import free_port

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine
-from orpheus_tts_plugin.prompt import reference_prompt
-from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.codec.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH
-from orpheus_tts_plugin.voices import encode_frames
+from orpheus_tts_plugin.speech.prompt import reference_prompt
+from orpheus_tts_plugin.speech.voices import encode_frames
 from tests.test_voices import TRANSCRIPT, voice_audio
 
 TEXT = "Hello from a cloned voice."

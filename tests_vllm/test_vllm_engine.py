@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine
-from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.codec.snac import load_snac
 from orpheus_tts_plugin.spec import ENGLISH, SAMPLES_PER_FRAME
 from orpheus_tts_plugin.tools.replay import replay_offline
 

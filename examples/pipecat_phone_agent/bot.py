@@ -27,7 +27,7 @@ from pipecat.turns.user_stop import (
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from pipecat.workers.runner import WorkerRunner
 
-from orpheus_tts_plugin.pipecat_turns import SpeakAheadUserTurnStopStrategy
+from orpheus_tts_plugin.pipecat import SpeakAheadUserTurnStopStrategy
 
 from .config import TurnTaking
 from .failures import EndOnStageFailure, MuteWhileEnding

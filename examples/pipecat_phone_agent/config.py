@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
-from orpheus_tts_plugin.affinity import allowed_cpus, cpu_list
+from orpheus_tts_plugin.runtime.affinity import allowed_cpus, cpu_list
 from orpheus_tts_plugin.types import SpeechEngine
 
 GREETING = "Hello, thanks for calling. How can I help you today?"
@@ -25,7 +25,7 @@ class TurnTaking:
     vad_stop_secs: float = 0.2  # silence this long is the end of speech for Silero VAD
     stop: str = "timeout"  # timeout: the turn ends user_speech_timeout after the VAD stop | smart: smart-turn v3
     # Speak ahead: the reply starts at the VAD stop with its audio held, released when `stop` confirms the turn,
-    # discarded if the caller goes on (orpheus_tts_plugin.pipecat_turns)
+    # discarded if the caller goes on (orpheus_tts_plugin.pipecat)
     speak_ahead: bool = True
     user_speech_timeout: float = 0.6  # (timeout) how long the caller may pause and go on before the turn ends
     turn_stop_timeout: float = 5.0  # a turn whose transcript is this late ends without it (Pipecat's default)

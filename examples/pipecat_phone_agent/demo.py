@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from orpheus_tts_plugin.affinity import allowed_cpus
+from orpheus_tts_plugin.runtime.affinity import allowed_cpus
 from orpheus_tts_plugin.tools.loopback import free_port
 
 from .caller import CallScript, print_summary, run_calls

@@ -36,7 +36,7 @@ from pipecat.frames.frames import (
 from pipecat.observers.base_observer import BaseObserver, FramePushed
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
-from orpheus_tts_plugin.pipecat_turns import ReplyHoldFrame, ReplyReleaseFrame
+from orpheus_tts_plugin.pipecat import ReplyHoldFrame, ReplyReleaseFrame
 
 BURST_GAP_S = 0.3  # a stage's frames closer together than this are one burst (the audio of one reply)
 

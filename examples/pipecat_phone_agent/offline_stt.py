@@ -35,7 +35,7 @@ from pipecat.services.stt_service import STTService
 from pipecat.transcriptions.language import Language
 from pipecat.utils.time import time_now_iso8601
 
-from orpheus_tts_plugin.affinity import pin_process
+from orpheus_tts_plugin.runtime.affinity import pin_process
 
 SAMPLE_RATE = 16_000  # the acoustic model's rate; the pipeline's input rate must match
 BYTES_PER_S = 2 * SAMPLE_RATE  # 16-bit mono

@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
 
-from orpheus_tts_plugin.affinity import pin_process
+from orpheus_tts_plugin.runtime.affinity import pin_process
 
 from .checks import StageUnavailable, check_stages, start_tts
 from .config import AgentConfig, parse_args

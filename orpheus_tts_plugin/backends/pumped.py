@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import SEED_LIMIT
-from ..mailbox import Mailbox
+from ..runtime.mailbox import Mailbox
 from .protocol import BackendError, FinishReason, GenerationRequest
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import contextlib
 import threading
 from typing import Any
 
-from ..mailbox import Mailbox
+from ..runtime.mailbox import Mailbox
 from .protocol import BackendError, FinishReason, GenerationRequest, check_loop
 
 

@@ -22,7 +22,7 @@ try:
     from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 except ImportError as exc:
     raise missing_extra("server", "RemoteEngine", exc) from None
-from ..mailbox import Mailbox
+from ..runtime.mailbox import Mailbox
 from ..wire import protocol
 
 log = logging.getLogger(__name__)

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import MAX_TEXT_CHARS, EngineConfig, SamplingOverrides, SamplingParams, check_text_length
 from ..errors import EngineClosedError, EngineError, EngineOverloadedError, KeyRefusedError
-from ..loop_thread import LoopThread, Outbox, SharedInstances
-from ..mailbox import Mailbox
+from ..runtime.loop_thread import LoopThread, Outbox, SharedInstances
+from ..runtime.mailbox import Mailbox
 from ..spec import SAMPLE_RATE, SPECS, ModelSpec, spec_for
 from ..speculation import CONFIRMED, Speculation, SpeculationTally
-from ..text import split_sentences
+from ..speech.text import split_sentences
 from ..types import AudioChunk, Speech, SpeechOptions
 from ..wire import protocol
 from .connection import API_KEY_ENV, CLOSE_TIMEOUT_S, Connection, Item, to_mailbox

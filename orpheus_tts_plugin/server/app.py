@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from ..engine import OrpheusEngine
+from ..engine.core import OrpheusEngine
 from ..errors import missing_extra
 
 try:

@@ -33,7 +33,7 @@ try:
 except ImportError as exc:
     raise missing_extra("ray", "orpheus-tts on Ray Serve", exc) from None
 
-from ..engine import OrpheusEngine
+from ..engine.core import OrpheusEngine
 from . import serve as serve_cli
 from .app import create_app
 from .ray_router import IMPORT_PATH as ROUTER

@@ -24,18 +24,18 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from ..affinity import cpu_list, pin_process
 from ..config import BACKENDS, DECODERS, EngineConfig, SyntheticConfig
 from ..errors import missing_extra
 from ..interrupt import end_interrupted
 from ..preflight import check_before_load
+from ..runtime.affinity import cpu_list, pin_process
 from .policy import KEYS_ENV, Policy, load_keys
 from .voice_store import DirectoryVoiceStore, VoiceStore
 
 if TYPE_CHECKING:
     import uvicorn
 
-    from ..engine import OrpheusEngine
+    from ..engine.core import OrpheusEngine
     from .service import Service
 
 log = logging.getLogger(__name__)
@@ -386,7 +386,7 @@ def serve_main(args: argparse.Namespace) -> int:
     sock = listening_socket(args.host, args.port, args.uds)
     wanted = engine_config(args)
     check_before_load(wanted)
-    from ..engine import OrpheusEngine
+    from ..engine.core import OrpheusEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = OrpheusEngine(wanted)

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
-from ..engine import OrpheusEngine
+from ..engine.core import OrpheusEngine
 from ..errors import EngineError, EngineOverloadedError
 from ..spec import SAMPLE_RATE
 from ..speculation import Speculation

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..engine import OrpheusEngine
+from ..engine.core import OrpheusEngine
 from .voice_store import MemoryVoiceStore, StoredVoice, VoiceStore, VoiceStoreError
 
 log = logging.getLogger(__name__)

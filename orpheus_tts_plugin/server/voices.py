@@ -20,7 +20,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..voices import read_wav
+from ..speech.voices import read_wav
 from .http_errors import error_json, error_response
 from .policy import LimitError
 from .service import Service

@@ -36,7 +36,7 @@ from .loopback import free_port
 
 if TYPE_CHECKING:
     from ..client.connection import Connection
-    from ..engine import OrpheusEngine
+    from ..engine.core import OrpheusEngine
     from ..types import AudioChunk
 
 SCHEMES = ("reuse", "fresh", "in-process")
@@ -171,8 +171,8 @@ async def _in_process_engine(serve_flags: str) -> OrpheusEngine:
     on the server's `--cpus` if it has them: the two schemes then differ by the socket alone."""
     global _ENGINE
     if _ENGINE is None:
-        from ..affinity import pin_process
-        from ..engine import OrpheusEngine
+        from ..engine.core import OrpheusEngine
+        from ..runtime.affinity import pin_process
         from ..server.serve import engine_config
 
         flags = _serve_parser().parse_args(shlex.split(serve_flags))

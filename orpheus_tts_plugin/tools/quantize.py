@@ -21,8 +21,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..backends.trtllm_lines import engine_build_missing
-from ..prompt import prompt_ids
 from ..spec import ModelSpec, spec_for
+from ..speech.prompt import prompt_ids
 
 INSTALL_HINT = "FP8 quantisation needs NVIDIA ModelOpt: pip install nvidia-modelopt (it is in the TensorRT-LLM image)"
 FORMATS = ("hf", "trtllm")

@@ -7,9 +7,9 @@ import argparse
 import numpy as np
 from torch import nn
 
-from ..codes import FrameParser
-from ..decoder import StreamingDecoder
-from ..snac import offline_decode
+from ..codec.codes import FrameParser
+from ..codec.decoder import StreamingDecoder
+from ..codec.snac import offline_decode
 from ..spec import ModelSpec
 
 
@@ -50,8 +50,8 @@ def replay_offline(snac: nn.Module, ids: np.ndarray, spec: ModelSpec) -> np.ndar
 
 def decode_main(args: argparse.Namespace) -> int:
     """`orpheus-tts decode`: replay saved ids through the streaming decoder (or offline) to a WAV file."""
-    from ..device import resolve_device
-    from ..snac import load_snac
+    from ..codec.snac import load_snac
+    from ..engine.device import resolve_device
     from ..spec import SAMPLES_PER_FRAME, spec_for
     from .wav import write_wav
 

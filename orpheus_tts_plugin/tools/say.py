@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from ..config import EngineConfig
-from ..engine import OrpheusEngine
+from ..engine.core import OrpheusEngine
 from ..interrupt import Interrupted
 from ..preflight import check_before_load
 from ..spec import SAMPLE_RATE

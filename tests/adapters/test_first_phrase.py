@@ -25,8 +25,8 @@ from pipecat.services.tts_service import TextAggregationMode
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin import livekit as orpheus
-from orpheus_tts_plugin.first_phrase import Cut, FirstPhrase, FirstPhraseSplitter
-from orpheus_tts_plugin.pipecat import FirstPhraseTextAggregator, OrpheusTTSService
+from orpheus_tts_plugin.pipecat.tts import FirstPhraseTextAggregator, OrpheusTTSService
+from orpheus_tts_plugin.speech.first_phrase import Cut, FirstPhrase, FirstPhraseSplitter
 from orpheus_tts_plugin.types import Speech
 from tests.adapters.test_pipecat import (  # noqa: F401 - replying_engine: a fixture, used by name
     REPLY,

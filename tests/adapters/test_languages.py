@@ -15,7 +15,7 @@ from pipecat.transcriptions.language import Language
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine
 from orpheus_tts_plugin import livekit as orpheus
-from orpheus_tts_plugin.pipecat import OrpheusTTSService
+from orpheus_tts_plugin.pipecat.tts import OrpheusTTSService
 
 Settings = OrpheusTTSService.Settings
 

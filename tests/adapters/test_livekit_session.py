@@ -20,7 +20,7 @@ from livekit.agents.voice.transcription.synchronizer import TranscriptSynchroniz
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin import livekit as orpheus
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from orpheus_tts_plugin.words import DEFAULT_WEIGHTS, total_weight, units
+from orpheus_tts_plugin.speech.words import DEFAULT_WEIGHTS, total_weight, units
 from tests.adapters.livekit_fakes import (
     ScriptedLLM,
     ScriptedSTT,

@@ -68,9 +68,9 @@ from pipecat.workers.runner import WorkerRunner
 from orpheus_tts_plugin import EngineConfig, EngineError, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.backends.protocol import GenerationRequest
 from orpheus_tts_plugin.backends.synthetic import SyntheticBackend
-from orpheus_tts_plugin.pipecat import OrpheusTTSService
+from orpheus_tts_plugin.pipecat.tts import OrpheusTTSService
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from orpheus_tts_plugin.words import Pace, Span, WordTimer
+from orpheus_tts_plugin.speech.words import Pace, Span, WordTimer
 from tests.stubs import GatedBackend
 
 Settings = OrpheusTTSService.Settings
@@ -519,7 +519,7 @@ def test_package_import_does_not_import_pipecat():
         "import sys, orpheus_tts_plugin\n"
         "assert 'pipecat' not in sys.modules, 'pipecat imported eagerly'\n"
         "from orpheus_tts_plugin import OrpheusTTSService\n"
-        "assert OrpheusTTSService.__module__ == 'orpheus_tts_plugin.pipecat'\n"
+        "assert OrpheusTTSService.__module__ == 'orpheus_tts_plugin.pipecat.tts'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -90,7 +90,7 @@ def uses(tree: ast.AST, names: set[str]) -> dict[str, list[int]]:
     return found
 
 
-# Each framework's adapter and the modules it is split into (pipecat_health.py, livekit_worker.py, ...).
+# Each framework's adapter and the modules it is split into (pipecat/health.py, livekit/worker.py, ...).
 MODULES = {fw: sorted(p.stem for p in PACKAGE.glob(f"{fw}*.py")) for fw in UPSTREAM}
 
 
@@ -132,10 +132,10 @@ def test_the_pipecat_settings_are_a_dataclass_of_tts_settings_with_every_samplin
 def test_the_fenced_pipecat_behaviours_the_service_relies_on_are_still_upstream():
     """Each Pipecat behaviour the service relies on without a public API (docs/frameworks.md), read from the installed
     TTSService: this fails on the upstream change that would break its one fenced function."""
-    pytest.importorskip("orpheus_tts_plugin.pipecat")
+    pytest.importorskip("orpheus_tts_plugin.pipecat.tts")
     from pipecat.services.tts_service import TTSService
 
-    from orpheus_tts_plugin.pipecat_health import _SILENT_CONTEXT
+    from orpheus_tts_plugin.pipecat.health import _SILENT_CONTEXT
 
     # pipecat_health.ServiceHealth.push_error: the per-context error of a silent context, by its text
     outcome = inspect.getsource(TTSService._record_context_audio_outcome)

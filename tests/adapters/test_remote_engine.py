@@ -16,7 +16,7 @@ from pipecat.tests.utils import run_test
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, RemoteEngine, SyntheticConfig
 from orpheus_tts_plugin import livekit as orpheus
-from orpheus_tts_plugin.pipecat import OrpheusTTSService
+from orpheus_tts_plugin.pipecat.tts import OrpheusTTSService
 from orpheus_tts_plugin.server.serve import ServerThread, serving_in_thread
 
 PACES = {"fast": 0.0, "paced": 400.0}

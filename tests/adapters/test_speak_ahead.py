@@ -1,7 +1,7 @@
 """Speaking ahead: a reply spoken while the caller's turn is still being confirmed, held, released or discarded.
 
 The room (reply.py, framework-free) on the engine; then OrpheusTTSService in real Pipecat pipelines with the real
-user aggregator driven by `SpeakAheadUserTurnStopStrategy` (pipecat_turns.py): the turn ends at the VAD stop with
+user aggregator driven by `SpeakAheadUserTurnStopStrategy` (pipecat/turns.py): the turn ends at the VAD stop with
 the reply's audio held, the confirming strategy's verdict releases it, and a caller who goes on discards it through
 Pipecat's own barge-in. Each at both paces (generation faster than decoding, and slower); what the tests wait for
 are frames and engine counters, never a timer's luck: a turn that must not be confirmed has a confirmation timeout
@@ -32,12 +32,12 @@ from pipecat.turns.user_stop.speech_timeout_user_turn_stop_strategy import Speec
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
 
 from orpheus_tts_plugin import OrpheusEngine
-from orpheus_tts_plugin.first_phrase import FirstPhrase
-from orpheus_tts_plugin.pipecat import OrpheusTTSService
-from orpheus_tts_plugin.pipecat_turns import ReplyHoldFrame, ReplyReleaseFrame, SpeakAheadUserTurnStopStrategy
-from orpheus_tts_plugin.reply import ReplyDiscarded, ReplySpeech, ReplyText
+from orpheus_tts_plugin.pipecat.tts import OrpheusTTSService
+from orpheus_tts_plugin.pipecat.turns import ReplyHoldFrame, ReplyReleaseFrame, SpeakAheadUserTurnStopStrategy
 from orpheus_tts_plugin.spec import SAMPLE_RATE
-from orpheus_tts_plugin.words import Pace
+from orpheus_tts_plugin.speech.first_phrase import FirstPhrase
+from orpheus_tts_plugin.speech.reply import ReplyDiscarded, ReplySpeech, ReplyText
+from orpheus_tts_plugin.speech.words import Pace
 from tests.adapters.test_pipecat import (
     ScriptedLLM,
     Speaker,

@@ -15,12 +15,12 @@ from pipecat.tests.utils import run_test
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, RemoteEngine, SyntheticConfig
 from orpheus_tts_plugin import livekit as orpheus
-from orpheus_tts_plugin.pipecat import OrpheusTTSService
+from orpheus_tts_plugin.pipecat.tts import OrpheusTTSService
 from orpheus_tts_plugin.server.serve import ServerThread
-from orpheus_tts_plugin.stretch import FEED_SAMPLES
+from orpheus_tts_plugin.speech.stretch import FEED_SAMPLES
+from orpheus_tts_plugin.speech.words import WordTimer
 from orpheus_tts_plugin.types import AudioChunk
 from orpheus_tts_plugin.wire import protocol
-from orpheus_tts_plugin.words import WordTimer
 from tests.served import PACES, TEXT, engine_of, idle, pcm_of, serving, until
 
 SPEED = 2.0

@@ -18,7 +18,7 @@ from pipecat.frames.frames import LLMFullResponseEndFrame, LLMFullResponseStartF
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin import livekit as orpheus
 from orpheus_tts_plugin.config import MAX_TEXT_CHARS
-from orpheus_tts_plugin.pipecat import OrpheusTTSService
+from orpheus_tts_plugin.pipecat.tts import OrpheusTTSService
 from tests.adapters.test_pipecat import PACINGS, closing_engine, errors, run
 
 CLAUSE = "as a chatty model's replies do, and then some more"

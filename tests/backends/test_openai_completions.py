@@ -24,8 +24,8 @@ from orpheus_tts_plugin.backends import make_backend
 from orpheus_tts_plugin.backends.openai_completions import CustomTokenText, OpenAICompletionsBackend
 from orpheus_tts_plugin.backends.protocol import BackendError, FinishReason, GenerationRequest
 from orpheus_tts_plugin.config import EngineConfig, SamplingParams
-from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.spec import ENGLISH
+from orpheus_tts_plugin.speech.prompt import prompt_ids
 from orpheus_tts_plugin.tools.loopback import free_port
 from orpheus_tts_plugin.weights import TOKENIZER, weight_sources
 from tests.servers import transformers_serve

@@ -258,7 +258,7 @@ async def drained(stream: AsyncGenerator[AudioChunk, None]) -> BaseException | N
 async def test_a_killed_server_ends_its_streams_with_a_retryable_error_and_new_streams_go_to_the_survivors(
     test_model_dir: Path, tmp_path: Path, speed: float
 ) -> None:
-    from orpheus_tts_plugin.livekit import _api_error
+    from orpheus_tts_plugin.livekit.tts import _api_error
 
     with serve_processes_on_loopback(3, test_model_dir, speed, tmp_path) as (urls, procs):
         remote = await connected(urls, connect_timeout_s=0.5, backoff_s=(0.05, 0.5))

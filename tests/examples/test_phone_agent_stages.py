@@ -44,7 +44,7 @@ from examples.pipecat_phone_agent.config import parse_args
 from examples.pipecat_phone_agent.demo import REPO_ROOT, agent_server, settled_stats
 from examples.pipecat_phone_agent.failures import APOLOGY, EndOnStageFailure, MuteWhileEnding
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine
-from orpheus_tts_plugin.pipecat import OrpheusTTSService
+from orpheus_tts_plugin.pipecat.tts import OrpheusTTSService
 from tests.adapters.test_pipecat import Recorder
 from tests.examples.test_phone_agent import needs_espeak
 from tests.stubs import SPEED_IDS, SPEEDS

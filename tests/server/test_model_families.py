@@ -12,7 +12,7 @@ import pytest
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, RemoteEngine
 from orpheus_tts_plugin.server.serve import serving_in_thread
-from orpheus_tts_plugin.text import split_sentences
+from orpheus_tts_plugin.speech.text import split_sentences
 from orpheus_tts_plugin.tools.loopback import free_port
 from tests.servers import serve_args, serve_process
 from tests.test_text import SPLITS

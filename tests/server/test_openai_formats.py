@@ -16,10 +16,10 @@ import pytest
 
 from orpheus_tts_plugin import AudioChunk, EngineConfig, EngineError, OrpheusEngine, Speech
 from orpheus_tts_plugin.backends import make_tokenizer
-from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.server.policy import Policy
 from orpheus_tts_plugin.server.serve import ServerThread
 from orpheus_tts_plugin.spec import SAMPLE_RATE
+from orpheus_tts_plugin.speech.prompt import prompt_ids
 from tests.served import TEXT, assert_same_audio, engine_of, pcm_of, serving
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from orpheus_tts_plugin import EngineConfig, OrpheusEngine, SyntheticConfig
 from orpheus_tts_plugin.cli import main as cli
-from orpheus_tts_plugin.snac import load_snac
+from orpheus_tts_plugin.codec.snac import load_snac
 from orpheus_tts_plugin.spec import SAMPLES_PER_FRAME
 from orpheus_tts_plugin.tools.bench.engine import reference_decoder
 from orpheus_tts_plugin.tools.bench.figures import Utterance, capacity, capacity_lines, play, summarize

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...config import EngineConfig
-from ...engine import OrpheusEngine
+from ...engine.core import OrpheusEngine
 from ...spec import SAMPLE_RATE
 from .common import host_line, print_rows
 

@@ -27,8 +27,8 @@ from .utterances import UTTERANCES
 
 if TYPE_CHECKING:
     from ...backends.protocol import TokenBackend
-    from ...decoder import FrameDecoder
-    from ...engine import OrpheusEngine
+    from ...codec.decoder import FrameDecoder
+    from ...engine.core import OrpheusEngine
 
 # decode scheme → EngineConfig.decoder (the reference scheme is injected over the config's SNAC)
 SCHEMES = {"project": "snac", "reference": "snac", "null": "null"}
@@ -101,8 +101,8 @@ class BenchOptions:
 def expected_audio_s(text: str, opts: BenchOptions) -> float:
     """Audio seconds of `text` if every piece runs to its token budget (the length random weights produce)."""
     from ...config import SamplingParams
-    from ...prompt import token_budget
-    from ...text import split_sentences
+    from ...speech.prompt import token_budget
+    from ...speech.text import split_sentences
 
     cap = SamplingParams().max_tokens
     tokens = sum(token_budget(p, opts.budget_per_char, opts.budget_base, cap)[0] for p in split_sentences(text))
@@ -247,8 +247,8 @@ async def _tick(bar: Any, engine: OrpheusEngine) -> None:
 
 def reference_decoder(config: EngineConfig) -> FrameDecoder:
     """The reference 4-frame-window scheme on the config's SNAC, for `--decode-scheme reference`."""
-    from ...device import resolve_device
-    from ...snac import load_snac
+    from ...codec.snac import load_snac
+    from ...engine.device import resolve_device
     from .reference import ReferenceDecoder
 
     return ReferenceDecoder(load_snac(config.snac, resolve_device(config.device), noise_seed=config.noise_seed))
@@ -262,7 +262,7 @@ async def _warm(engine: OrpheusEngine) -> None:
 
 def run(opts: BenchOptions, make_backend: Callable[[], TokenBackend] | None = None) -> dict[str, Any]:
     """The whole sweep, every scheme on its own engine in turn; `make_backend` overrides the configured one."""
-    from ...engine import OrpheusEngine
+    from ...engine.core import OrpheusEngine
 
     meta = run_metadata()
     points: list[dict[str, Any]] = []

@@ -35,7 +35,7 @@ def count_aten_ops() -> Iterator[list[int]]:
 
 def steady_ticks(snac: Any, streams: int, compile: bool, seed: int = 0) -> tuple[Any, Any]:
     """A decoder with `streams` utterances past their first chunk, and a function running one steady tick."""
-    from ...decoder import StreamingDecoder
+    from ...codec.decoder import StreamingDecoder
 
     decoder = StreamingDecoder(snac, max_streams=streams, compile=compile)
     if compile:
@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
     """Run `bench host` from parsed flags."""
     import torch
 
-    from ...snac import load_snac
+    from ...codec.snac import load_snac
 
     torch.set_num_threads(args.threads)
     snac = load_snac(args.snac, args.device)

@@ -24,7 +24,7 @@ CLIFF_RATIO = 5.0  # a layer slower than this many times its equivalent has hit 
 
 def flat_layers(layers: list[Any]) -> list[tuple[str, Any]]:
     """(name, layer) of every layer, residual units opened into their inner layers ("5.1" = unit 5, layer 1)."""
-    from ...layers import _Residual
+    from ...codec.layers import _Residual
 
     out: list[tuple[str, Any]] = []
     for i, layer in enumerate(layers):
@@ -37,7 +37,7 @@ def flat_layers(layers: list[Any]) -> list[tuple[str, Any]]:
 
 def gemm_shape(layer: Any, rows: int, n: int) -> tuple[int, int, int] | None:
     """(M, K, N) of the layer's matmul equivalent on `rows` rows of `n` new inputs; None if it has no GEMM."""
-    from ...layers import _Conv, _ConvTranspose, _Noise, _Pointwise
+    from ...codec.layers import _Conv, _ConvTranspose, _Noise, _Pointwise
 
     if isinstance(layer, _ConvTranspose):
         return layer.gemm.out_features, layer.in_channels, rows * (n + 1)
@@ -80,7 +80,7 @@ def layer_call(layer: Any, rows: int) -> tuple[Callable[[], Any], tuple[int, ...
     """A function making one steady call of `layer` on `rows` rows (fresh state each call), and its input shape."""
     import torch
 
-    from ...layers import Step
+    from ...codec.layers import Step
 
     dtype = torch.float32
     x = torch.randn(rows, layer.in_channels, layer.per_frame, dtype=dtype)
@@ -107,7 +107,7 @@ def best_gemm_ms(shape: tuple[int, int, int], calls: int) -> tuple[str, float]:
     BLAS that falls off at a shape (MKL at few columns on an AMD EPYC) does not hide a layer's cliff."""
     import torch
 
-    from ...gemm import onednn_pack, packed_product
+    from ...codec.gemm import onednn_pack, packed_product
 
     m, k, n = shape
     a, b = torch.randn(m, k), torch.randn(k, n)
@@ -124,7 +124,7 @@ def replaced_call(layer: Any, rows: int) -> Callable[[], Any] | None:
     import torch
     import torch.nn.functional as F
 
-    from ...layers import _Conv, _ConvTranspose, _Noise, _Pointwise
+    from ...codec.layers import _Conv, _ConvTranspose, _Noise, _Pointwise
 
     n = layer.per_frame
     if isinstance(layer, _ConvTranspose):
@@ -148,7 +148,7 @@ def profile(
 
     packed=False: the layers as a compiled step runs them, every product through `torch.mm` (before/after).
     """
-    from ...layers import _Conv, build_layers
+    from ...codec.layers import _Conv, build_layers
 
     layers = build_layers(snac, packed=packed)
     tiny_op = median_ms(gemm_call((1, 1, 1)), max(calls, 50))
@@ -191,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
     """Run `bench layers` from parsed flags."""
     import torch
 
-    from ...snac import load_snac
+    from ...codec.snac import load_snac
 
     torch.set_num_threads(args.threads)
     snac = load_snac(args.snac, "cpu")

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from ...decoder import DecodeState, StreamingDecoder
-from ...snac import load_snac, offline_decode
+from ...codec.decoder import DecodeState, StreamingDecoder
+from ...codec.snac import load_snac, offline_decode
 from ...spec import CODEBOOK_SIZE, SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .common import cpu_timed, print_table, run_metadata, write_json
 from .reference import reference_decode
@@ -88,7 +88,7 @@ def bench_overhead(streams: int = 256, frames: int = 48, rate: float = 0.0, loop
     consumers' loops), from token arrival to PCM at the consumer, divided by the tokens.
     """
     from ...config import EngineConfig, SyntheticConfig
-    from ...engine import OrpheusEngine
+    from ...engine.core import OrpheusEngine
 
     config = EngineConfig(
         model=None,

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...codes import frames_to_levels
-from ...decoder import DecodeState
-from ...snac import to_int16
+from ...codec.codes import frames_to_levels
+from ...codec.decoder import DecodeState
+from ...codec.snac import to_int16
 from ...spec import SAMPLES_PER_FRAME
 
 _NO_AUDIO = np.zeros(0, dtype=np.int16)

@@ -24,25 +24,25 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .backends.protocol import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
-from .codes import FrameParser
-from .config import EngineConfig, SamplingOverrides, check_text_length
+from ..backends.protocol import BackendError, FinishReason, GenerationRequest, PausableStream, TokenBackend
+from ..codec.codes import FrameParser
+from ..config import EngineConfig, SamplingOverrides, check_text_length
+from ..errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError
+from ..runtime.loop_thread import LoopThread, SharedInstances, post
+from ..spec import SAMPLE_RATE, SAMPLES_PER_FRAME, ModelSpec, spec_for, with_voices
+from ..speculation import Speculation, SpeculationTally
+from ..speech.prompt import sentence_requests
+from ..speech.stretch import stretched
+from ..speech.text import split_sentences
+from ..speech.voices import Voices
+from ..types import AudioChunk, Speech, SpeechEngine, SpeechOptions, Usage
 from .decode_worker import CallerStream, DecodeWorker, Utterance
-from .errors import EngineClosedError, EngineError, EngineFailedError, EngineOverloadedError
 from .loading import load
-from .loop_thread import LoopThread, SharedInstances, post
-from .prompt import sentence_requests
-from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME, ModelSpec, spec_for, with_voices
-from .speculation import Speculation, SpeculationTally
-from .stretch import stretched
-from .text import split_sentences
-from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions, Usage
-from .voices import Voices
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from .decoder import FrameDecoder
+    from ..codec.decoder import FrameDecoder
 
 __all__ = ["AudioChunk", "OrpheusEngine", "SpeechEngine"]  # AudioChunk and SpeechEngine: their first home
 
@@ -273,8 +273,8 @@ class OrpheusEngine:
     def _encoder(self) -> Any:
         """The SNAC that encodes references: the decoder's, else (a null decoder) `config.snac`, loaded once."""
         if self._snac is None:
+            from ..codec.snac import load_snac
             from .device import resolve_device
-            from .snac import load_snac
 
             self._snac = load_snac(self.config.snac, resolve_device(self.config.device))
         return self._snac

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
-from .spec import SAMPLE_RATE
+from ..spec import SAMPLE_RATE
 
 _TAG = re.compile(r"<[A-Za-z_]+>")
 _PIECE = re.compile(r"<[A-Za-z_]+>|[^\s<]+(?:<(?![A-Za-z_]+>)[^\s<]*)*")  # a tag, or a run up to a space or a tag

@@ -5,7 +5,7 @@ its first token plus the whole sentence's tokens. Cutting the reply's first piec
 `:` or a dash) once it has `min_words` words starts the voice that much sooner; the rest of the reply follows
 in sentences, as before. The cost is prosody: the first phrase is spoken as a unit of its own, without the rest
 of its sentence to shape its intonation (docs/pipecat.md, docs/livekit.md). Framework-free: the Pipecat and
-LiveKit adapters wrap their sentence splitters around `FirstPhrase` (pipecat.py, livekit.py).
+LiveKit adapters wrap their sentence splitters around `FirstPhrase` (pipecat/tts.py, livekit/tts.py).
 """
 
 from __future__ import annotations

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..spec import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 from .codes import frames_to_levels
 from .layers import Layer, Step, build_layers
 from .snac import SNAC24_LATENCY, fade_edges, load_snac, to_int16
-from .spec import SAMPLES_PER_FRAME, TOKENS_PER_FRAME
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
+    from ..config import EngineConfig
 
 
 class FrameDecoder(Protocol):

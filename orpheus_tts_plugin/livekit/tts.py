@@ -1,7 +1,7 @@
 """LiveKit Agents adapter: an Orpheus `tts.TTS` on one process-wide engine shared by every job of a worker.
 
 The worker set-up (`server_options`, `prewarm_engine`, `remote_engine`, `engine_load_fnc`, the `OrpheusPlugin`
-registered on import: its `download_files()` fetches the weights) is in livekit_worker.py, re-exported here.
+registered on import: its `download_files()` fetches the weights) is in livekit/worker.py, re-exported here.
 Importing does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
 
 LiveKit's contract (docs/livekit.md, "Timeouts, retries and failover"): `conn_options.timeout` bounds the wait for
@@ -22,10 +22,14 @@ import logging
 import weakref
 from collections.abc import Callable
 
-from .config import EngineConfig, SamplingOverrides
-from .errors import Failure, failure_of, missing_extra
-from .first_phrase import FirstPhrase, min_words_of
-from .livekit_worker import (
+from ..config import EngineConfig, SamplingOverrides
+from ..errors import Failure, failure_of, missing_extra
+from ..spec import SAMPLE_RATE
+from ..speech.first_phrase import FirstPhrase, min_words_of
+from ..speech.reply import ReplayText, ReplySpeech, ReplyText, language_voice
+from ..speech.words import DEFAULT_WEIGHTS, Pace, Weights
+from ..types import SpeechEngine, SpeechOptions
+from .worker import (
     OrpheusPlugin,
     _engine_for,
     download_files,
@@ -34,10 +38,6 @@ from .livekit_worker import (
     remote_engine,
     server_options,
 )
-from .reply import ReplayText, ReplySpeech, ReplyText, language_voice
-from .spec import SAMPLE_RATE
-from .types import SpeechEngine, SpeechOptions
-from .words import DEFAULT_WEIGHTS, Pace, Weights
 
 try:
     from livekit.agents import (

@@ -12,10 +12,10 @@ from typing import Protocol
 
 import numpy as np
 
-from .backends.protocol import GenerationRequest
-from .config import SEED_LIMIT, EngineConfig
-from .spec import CODEBOOK_SIZE, TOKENS_PER_FRAME, ModelSpec
-from .types import SpeechOptions
+from ..backends.protocol import GenerationRequest
+from ..config import SEED_LIMIT, EngineConfig
+from ..spec import CODEBOOK_SIZE, TOKENS_PER_FRAME, ModelSpec
+from ..types import SpeechOptions
 
 
 class Tokenizer(Protocol):

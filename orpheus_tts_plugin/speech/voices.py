@@ -18,9 +18,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .codes import levels_to_frames
+from ..codec.codes import levels_to_frames
+from ..spec import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ModelSpec
 from .prompt import Tokenizer, reference_prompt
-from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME, TOKENS_PER_FRAME, ModelSpec
 
 MAX_REFERENCE_S = 30.0  # longer references cost prefill and KV memory for little gain
 MAX_TRANSCRIPT_CHARS = 2_000

@@ -1,4 +1,4 @@
-"""A reply's speech, framework-free: the room both adapters speak through (pipecat.py, livekit.py).
+"""A reply's speech, framework-free: the room both adapters speak through (pipecat/tts.py, livekit/tts.py).
 
 A voice agent's reply arrives as streamed LLM text. `ReplyText` cuts it into what to speak, in order: the first
 phrase (first_phrase.py), then sentences. `ReplySpeech` speaks those texts through an engine on one timeline:
@@ -22,10 +22,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..spec import SAMPLE_RATE, ModelSpec
+from ..types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 from .first_phrase import SENTENCE_MARKS, FirstPhrase, FirstPhraseSplitter
-from .spec import SAMPLE_RATE, ModelSpec
 from .text import sentences
-from .types import AudioChunk, Speech, SpeechEngine, SpeechOptions
 from .words import Pace, TimedWord, WordTimer
 
 Splitter = Callable[[str], list[str]]  # text -> its sentences (the last may still be unfinished)

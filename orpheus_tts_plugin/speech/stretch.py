@@ -15,8 +15,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from .spec import SAMPLE_RATE
-from .types import AudioChunk
+from ..spec import SAMPLE_RATE
+from ..types import AudioChunk
 
 FACTOR_RANGE = (0.5, 2.0)  # what one `atempo` instance takes in every ffmpeg release
 FEED_SAMPLES = 480  # 20 ms: how much audio `atempo` takes at a time (its output lags by up to two such frames)

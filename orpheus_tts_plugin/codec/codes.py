@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .spec import CODEBOOK_SIZE, LEVEL_POSITIONS, TOKENS_PER_FRAME, ModelSpec
+from ..spec import CODEBOOK_SIZE, LEVEL_POSITIONS, TOKENS_PER_FRAME, ModelSpec
 
 _POSITION_OFFSETS = np.arange(TOKENS_PER_FRAME, dtype=np.int64) * CODEBOOK_SIZE
 

@@ -2,8 +2,8 @@
 
 A translation of Pipecat 1.14's `TTSService` contract (services/tts_service.py) onto the reply room (reply.py),
 through Pipecat's public API only (tests/adapters/test_public_api.py); each workaround names what the API lacks.
-Its health (readiness, overload, failures: pipecat_health.py) and settings (pipecat_settings.py) are mixins of
-their own; speaking ahead of a confirmed turn is pipecat_turns.py's turn strategy and the frames it sends here.
+Its health (readiness, overload, failures: pipecat/health.py) and settings (pipecat/settings.py) are mixins of
+their own; speaking ahead of a confirmed turn is pipecat/turns.py's turn strategy and the frames it sends here.
 
 - Start-up: `start()` only begins the engine's load (`prewarm()`), so a load never runs inside `PipelineWorker`'s
   start timeout; synthesis waits for the load, `engine_ready` and `on_engine_ready` report it.
@@ -25,16 +25,16 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, cast
 
-from .config import SAMPLING_FIELDS, EngineConfig
-from .engine import OrpheusEngine
-from .errors import EngineError, missing_extra
-from .first_phrase import FirstPhrase, min_words_of
-from .pipecat_health import ServiceHealth
-from .pipecat_settings import OrpheusTTSSettings, SettingsChecks, _language_of
-from .pipecat_turns import ReplyHoldFrame, ReplyReleaseFrame
-from .reply import ReplyDiscarded, ReplySpeech, ReplyText
-from .types import AudioChunk, SpeechEngine, SpeechOptions
-from .words import DEFAULT_WEIGHTS, Pace, Weights
+from ..config import SAMPLING_FIELDS, EngineConfig
+from ..engine.core import OrpheusEngine
+from ..errors import EngineError, missing_extra
+from ..speech.first_phrase import FirstPhrase, min_words_of
+from ..speech.reply import ReplyDiscarded, ReplySpeech, ReplyText
+from ..speech.words import DEFAULT_WEIGHTS, Pace, Weights
+from ..types import AudioChunk, SpeechEngine, SpeechOptions
+from .health import ServiceHealth
+from .settings import OrpheusTTSSettings, SettingsChecks, _language_of
+from .turns import ReplyHoldFrame, ReplyReleaseFrame
 
 try:
     from pipecat.audio.utils import create_stream_resampler

@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import EngineConfig
-from .errors import EngineError, ModelLoadError
-from .spec import ModelSpec
+from ..config import EngineConfig
+from ..errors import EngineError, ModelLoadError
+from ..spec import ModelSpec
 
 if TYPE_CHECKING:
-    from .backends.protocol import TokenBackend
-    from .decoder import FrameDecoder
+    from ..backends.protocol import TokenBackend
+    from ..codec.decoder import FrameDecoder
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,10 @@ async def load(
 async def _load(
     cfg: EngineConfig, spec: ModelSpec, backend: TokenBackend | None, decoder: FrameDecoder | None
 ) -> Loaded:
-    from .backends import make_backend, make_tokenizer
-    from .decoder import make_decoder
+    from ..backends import make_backend, make_tokenizer
+    from ..codec.decoder import make_decoder
+    from ..weights import SNAC, TOKENIZER, load_error, require_weights
     from .device import resolve_device
-    from .weights import SNAC, TOKENIZER, load_error, require_weights
 
     device = resolve_device(cfg.device)
     source = cfg.tokenizer or cfg.model

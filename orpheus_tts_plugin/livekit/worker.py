@@ -1,5 +1,5 @@
 """LiveKit Agents worker set-up for Orpheus: one engine per worker process, its load reported to LiveKit, and the
-plugin entry that downloads the weights (livekit.py re-exports all of it).
+plugin entry that downloads the weights (livekit/tts.py re-exports all of it).
 
 Every job of a worker that runs with the thread job executor (`JobExecutorType.THREAD`) lives in the worker
 process, each on its own event loop in its own thread; `OrpheusEngine` serves all of them at once, so one GPU
@@ -18,11 +18,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .config import EngineConfig
-from .engine import OrpheusEngine
-from .errors import missing_extra
-from .types import SpeechEngine
-from .weights import download_files
+from ..config import EngineConfig
+from ..engine.core import OrpheusEngine
+from ..errors import missing_extra
+from ..types import SpeechEngine
+from ..weights import download_files
 
 try:
     from livekit.agents import AgentServer, JobExecutorType, Plugin
@@ -63,7 +63,7 @@ def prewarm_engine(engine: SpeechEngine | EngineConfig | None = None) -> SpeechE
 def remote_engine(url: str | Sequence[str]) -> SpeechEngine:
     """This process's RemoteEngine for an `orpheus-tts serve` URL, or for several servers (a sequence or a
     comma-separated string: each stream goes to the least-loaded); one connection per server, made at once."""
-    from .client.remote_engine import RemoteEngine
+    from ..client.remote_engine import RemoteEngine
 
     engine = RemoteEngine.shared(url)
     engine.prewarm()

@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import EngineError
-from .loop_thread import Outbox
-from .mailbox import Mailbox
-from .spec import SAMPLE_RATE
-from .types import AudioChunk, Usage
+from ..errors import EngineError
+from ..runtime.loop_thread import Outbox
+from ..runtime.mailbox import Mailbox
+from ..spec import SAMPLE_RATE
+from ..types import AudioChunk, Usage
 
 if TYPE_CHECKING:
-    from .decoder import DecodeState, FrameDecoder
-    from .speculation import Speculation
+    from ..codec.decoder import DecodeState, FrameDecoder
+    from ..speculation import Speculation
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ..spec import SAMPLE_RATE, SAMPLES_PER_FRAME
+from ..weights import SNAC as SNAC_FOLDER
+from ..weights import load_error, require_weights
 from .codes import frames_to_levels
-from .spec import SAMPLE_RATE, SAMPLES_PER_FRAME
-from .weights import SNAC as SNAC_FOLDER
-from .weights import load_error, require_weights
 
 LATENT_PER_FRAME = 4  # SNAC latent steps (hop 512) per 2,048-sample frame
 FADE_SAMPLES = 240  # 10 ms fade at each end of an utterance

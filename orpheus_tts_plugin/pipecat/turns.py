@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import missing_extra
+from ..errors import missing_extra
 
 try:
     from pipecat.frames.frames import Frame, SystemFrame

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
-from .errors import EngineError
+from ..errors import EngineError
 from .mailbox import Mailbox
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .errors import DeviceUnavailableError
+from ..errors import DeviceUnavailableError
 
 
 def resolve_device(device: str) -> str:

@@ -1,6 +1,6 @@
 """How OrpheusTTSService's health reaches Pipecat: the engine's readiness (`on_engine_ready`), overload as
 usability (what a ServiceSwitcher's failover reads), each failure as one ErrorFrame of the right category, and
-Pipecat's count of silent contexts kept to real silences. A mixin of the service (pipecat.py), on its loop.
+Pipecat's count of silent contexts kept to real silences. A mixin of the service (pipecat/tts.py), on its loop.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from .errors import EngineFailedError, EngineOverloadedError, Failure, failure_of, missing_extra
+from ..errors import EngineFailedError, EngineOverloadedError, Failure, failure_of, missing_extra
 
 try:
     from pipecat.services.tts_service import TTSService

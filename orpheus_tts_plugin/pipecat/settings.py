@@ -1,6 +1,6 @@
 """OrpheusTTSService's settings: Pipecat's TTS settings plus Orpheus's sampling, adapter and speed, checked against
 the engine before they are taken (a rejected update keeps the current settings, with an error). A mixin of the
-service (pipecat.py), on its loop.
+service (pipecat/tts.py), on its loop.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import SAMPLING_FIELDS, SamplingOverrides
-from .errors import missing_extra
-from .reply import language_voice
-from .spec import ModelSpec
-from .types import SpeechOptions
+from ..config import SAMPLING_FIELDS, SamplingOverrides
+from ..errors import missing_extra
+from ..spec import ModelSpec
+from ..speech.reply import language_voice
+from ..types import SpeechOptions
 
 try:
     from pipecat.services.settings import TTSSettings

@@ -1,0 +1,33 @@
+"""LiveKit Agents adapter: the Orpheus `tts.TTS` (`tts`) and the worker set-up (`worker`: one engine per worker
+process, its load reported to LiveKit, the `OrpheusPlugin` registered on import).
+
+May import: the package root's modules, speech, engine, client, and LiveKit Agents.
+"""
+
+from __future__ import annotations
+
+from .tts import (
+    TTS,
+    ChunkedStream,
+    OrpheusPlugin,
+    SpeechEngine,
+    SynthesizeStream,
+    download_files,
+    engine_load_fnc,
+    prewarm_engine,
+    remote_engine,
+    server_options,
+)
+
+__all__ = [
+    "TTS",
+    "ChunkedStream",
+    "OrpheusPlugin",
+    "SynthesizeStream",
+    "download_files",
+    "engine_load_fnc",
+    "prewarm_engine",
+    "remote_engine",
+    "server_options",
+    "SpeechEngine",
+]

@@ -1,4 +1,10 @@
-"""Orpheus TTS inside a voice agent's process: one shared engine, exact streaming, framework adapters."""
+"""Orpheus TTS inside a voice agent's process: one shared engine, exact streaming, framework adapters.
+
+The folders in data-flow order: `speech` (text → requests) → `backends` (token ids) → `codec` (frames → PCM) →
+`engine` (on `runtime`) → `pipecat`, `livekit`, `server` and `client` (over `wire`); `tools` is the workshop.
+The modules at the top (config, errors, types, spec, weights, speculation, preflight, interrupt, cli) are the
+"root" that each folder's `May import:` line names.
+"""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""The package's structure as its sources draw it: no import cycle, the runtime never imports the workshop."""
+"""The package's structure as its sources draw it: no import cycle, the runtime never imports the workshop, each
+folder imports only what its `__init__` allows, and no module or class grows past the size a reader can hold."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +146,105 @@ def test_help_and_importing_the_package_load_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent, timeout=120)
+
+
+# ---------------------------------------------------------------- the house keeps its rooms
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 300
+MAX_ROOT_MODULES = 12
+ROOT = "root"  # the modules at the top of the package, as a folder's `May import:` line names them
+
+
+def _folders() -> list[str]:
+    return sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+
+
+def folder_of(module: str) -> str:
+    """The top-level folder a module lives in, or ROOT for the modules at the top (and the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else ROOT
+
+
+def allowed_imports(folder: str) -> set[str] | None:
+    """What the folder's `__init__` docstring allows after `May import:` (folder names and `root`); None for `any`."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text())) or ""
+    match = re.search(r"^May import: ([^.]*)\.", doc, re.MULTILINE)
+    assert match, f"{folder}/__init__.py: its docstring has no 'May import: a, b.' line"
+    names = {name.strip() for name in match.group(1).split(",")}
+    if names == {"any"}:
+        return None
+    unknown = names - {ROOT, *_folders()}
+    assert not unknown, f"{folder}/__init__.py: 'May import' names no folder {sorted(unknown)}"
+    return names
+
+
+def sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """Lines per package module, and per class (`module:Class`, from its `class` line to its last)."""
+    modules: dict[str, int] = {}
+    classes: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        rel = str(path.relative_to(PACKAGE.parent))
+        modules[rel] = text.count("\n")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                classes[f"{rel}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return modules, classes
+
+
+def test_no_module_is_over_500_lines_and_no_class_over_300() -> None:
+    modules, classes = sizes()
+    for name, counts in (("modules", modules), ("classes", classes)):
+        top = sorted(counts.items(), key=lambda kv: -kv[1])[:5]
+        print(f"largest {name}: " + ", ".join(f"{n} {lines}" for n, lines in top))
+    assert {m: n for m, n in modules.items() if n > MAX_MODULE_LINES} == {}
+    assert {c: n for c, n in classes.items() if n > MAX_CLASS_LINES} == {}
+
+
+def test_a_dozen_modules_at_most_stay_at_the_top_of_the_package() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_ROOT_MODULES, top
+
+
+def test_each_folder_imports_only_what_its_init_allows() -> None:
+    graph = import_graph()
+    wrong: dict[str, list[str]] = {}
+    for folder in _folders():
+        allowed = allowed_imports(folder)
+        if allowed is None:
+            continue
+        for module in (m for m in graph if folder_of(m) == folder):
+            bad = sorted(t for t in graph[module] if folder_of(t) not in {folder, *allowed})
+            if bad:
+                wrong[module] = bad
+    assert wrong == {}
+
+
+def test_a_folder_importing_what_its_init_does_not_allow_would_be_caught() -> None:
+    assert allowed_imports("codec") == {ROOT}
+    assert folder_of(f"{NAME}.engine.core") == "engine" and folder_of(f"{NAME}.config") == ROOT
+    assert folder_of(f"{NAME}.engine") == "engine" and folder_of(NAME) == ROOT
+    graph = import_graph()
+    assert f"{NAME}.spec" in graph[f"{NAME}.codec.codes"]  # codec → root: allowed, and seen
+    assert f"{NAME}.engine.core" in graph[f"{NAME}.server.service"]  # server → engine: seen, so checkable
+
+
+# Every name the README, docs/ and examples import, or that deployments point at, from where they import it
+# (`backends.vllm_logits:OrpheusAudioLogitsProcessor` needs vLLM: tests_vllm/ loads it from that path).
+DOCUMENTED = [
+    f"from {NAME} import AudioChunk, EngineClosedError, EngineConfig, EngineError, EngineFailedError",
+    f"from {NAME} import EngineOverloadedError, KeyRefusedError, ModelLoadError, OrpheusEngine, RemoteEngine",
+    f"from {NAME} import SamplingOverrides, SamplingParams, Speech, SpeechEngine, SpeechOptions, SyntheticConfig",
+    f"from {NAME} import OrpheusTTSService, Usage, __version__",
+    f"from {NAME} import livekit as orpheus; orpheus.TTS, orpheus.server_options, orpheus.prewarm_engine",
+    "orpheus.remote_engine, orpheus.engine_load_fnc, orpheus.download_files, orpheus.OrpheusPlugin",
+    f"from {NAME}.pipecat import OrpheusTTSService, OrpheusTTSSettings, SpeakAheadUserTurnStopStrategy",
+    f"from {NAME}.pipecat import ReplyHoldFrame, ReplyReleaseFrame",
+    f"from {NAME}.server.ray import app",
+    f"from {NAME}.cli import main",
+    f"from {NAME}.speech.words import Weights",
+]
+
+
+def test_every_documented_name_imports_from_where_the_docs_say() -> None:
+    subprocess.run([sys.executable, "-c", "\n".join(DOCUMENTED)], check=True, cwd=PACKAGE.parent, timeout=300)

@@ -1,4 +1,7 @@
-"""Token backends behind one protocol, built by name from an EngineConfig."""
+"""Token backends behind one protocol, built by name from an EngineConfig.
+
+May import: root, runtime.
+"""
 
 from __future__ import annotations
 

@@ -4,4 +4,6 @@ Modules: `connection` (the client side of one WebSocket), `stream_posts` (each s
 for servers behind Ray's proxy), `upstream` (one server of a RemoteEngine's list, and where a new stream goes),
 `remote_engine` (`RemoteEngine`). The server half is `..server`; both speak `..wire` and import nothing of each
 other. Importing this package imports no websockets or aiohttp.
+
+May import: root, runtime, speech, wire.
 """

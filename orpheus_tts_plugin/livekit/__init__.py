@@ -1,7 +1,7 @@
 """LiveKit Agents adapter: the Orpheus `tts.TTS` (`tts`) and the worker set-up (`worker`: one engine per worker
 process, its load reported to LiveKit, the `OrpheusPlugin` registered on import).
 
-May import: the package root's modules, speech, engine, client, and LiveKit Agents.
+May import: root, speech, engine, client. (And LiveKit Agents.)
 """
 
 from __future__ import annotations

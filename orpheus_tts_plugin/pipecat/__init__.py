@@ -1,7 +1,7 @@
 """Pipecat adapter: `OrpheusTTSService` (`tts`) with its health (`health`) and settings (`settings`), and the
 turn strategy that speaks ahead of a confirmed turn (`turns`).
 
-May import: the package root's modules, speech, engine, and Pipecat.
+May import: root, speech, engine. (And Pipecat.)
 """
 
 from __future__ import annotations

@@ -6,4 +6,6 @@ Modules: `service` (what both transports share), `mux` (the server side of one W
 limits), `encoders`, `metrics` (`/metrics`), `app` (the FastAPI app), `serve` (uvicorn, SIGTERM drain), `ray`,
 `ray_router`, `ray_voices` (Ray Serve). The client half is `..client`; both speak `..wire` and import nothing of
 each other. Importing this package imports none of FastAPI, uvicorn or websockets.
+
+May import: root, runtime, speech, engine, wire.
 """

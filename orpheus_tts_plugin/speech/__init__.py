@@ -2,5 +2,5 @@
 (`first_phrase`), each sentence's prompt and budget (`prompt`), cloned voices (`voices`), the reply room both
 adapters speak through (`reply`), word timestamps (`words`) and speed (`stretch`).
 
-May import: the package root's modules, backends.protocol (a request's shape), codec (a voice's reference frames).
+May import: root, backends, codec. (backends.protocol: a request's shape; codec.codes: a voice's reference frames.)
 """

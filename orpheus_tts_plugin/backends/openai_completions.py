@@ -3,7 +3,9 @@
 This is how CPU-only agent processes share a pool of GPU servers (trtllm-serve, vLLM, SGLang, `transformers
 serve`) behind a load balancer. Prompts go out as token ids where the server accepts them; token ids come back
 where the server streams them (trtllm-serve with `detokenize: false`, vLLM with `return_token_ids`), otherwise
-`<custom_token_N>` is parsed from the streamed text (id = 128256 + N). One `aiohttp.ClientSession` per backend
+they are parsed from the streamed text (`CustomTokenText`), and then mean: `<custom_token_N>` exactly (id = 128256
++ N, the audio), each run of other text between custom tokens one non-audio id (pad) however the server cuts or joins
+its events, and special tokens the server skips nothing. One `aiohttp.ClientSession` per backend
 (the engine is process-wide, so one per process); closing a stream closes its HTTP response, which makes the
 server abort the request. With vLLM, the audio constraint per frame position travels as `vllm_xargs` when the server
 runs this package's logits processor (`--logits-processors orpheus_tts_plugin.backends.vllm_logits:...`); otherwise
@@ -41,17 +43,27 @@ _PROBE_TOKENS = 7  # one frame: chance that an unconstrained model obeys the pro
 
 
 class CustomTokenText:
-    """Streamed text → ids: `<custom_token_N>` is id base+N; other non-blank text counts as one non-audio id.
+    """Streamed text → ids, the same however the server cuts its text into SSE events or joins it.
 
-    A chunk may end inside a token name (`<custom_tok`); that tail waits for the next chunk. Whitespace between
-    tokens is ignored (detokenisers may add it); any other text becomes `other` (a non-audio id such as pad) so
-    the frame parser counts it as invalid instead of silently losing it.
+    `<custom_token_N>` is id base+N, exactly. The text between two custom tokens (or before the first, or after the
+    last) is a run; a run with anything but whitespace in it becomes ONE `other` id (a non-audio id such as pad),
+    emitted as soon as its first non-blank character arrives (no added latency), so the frame parser counts it as
+    invalid instead of silently losing it; a blank run (whitespace a detokeniser puts between tokens) is no id.
+    Whitespace inside a run does not end it: only a custom token does. The ids are thus a function of the stream's
+    whole text, not of its events: a server that sends each token's text as its own event and one that joins
+    several into one (`transformers serve` does when its writer falls behind) give the same ids, where one id per
+    event made their number depend on the server's timing. Special tokens the server skips are not in the text,
+    so they give no id and do not end a run.
+
+    A chunk may end inside a token name (`<custom_tok`); that tail waits for the next chunk, and `flush()` at the
+    end of the stream counts it as text of the last run.
     """
 
     def __init__(self, base: int, other: int):
         self.base = base
         self.other = other
         self._tail = ""
+        self._in_run = False  # the current run's `other` id is out: more text of it is no id
 
     def feed(self, text: str) -> list[int]:
         s = self._tail + text
@@ -62,18 +74,25 @@ class CustomTokenText:
         ids: list[int] = []
         pos = 0
         for m in _CUSTOM.finditer(s):
-            if s[pos : m.start()].strip():
-                ids.append(self.other)
+            self._run_text(s[pos : m.start()], ids)
             ids.append(self.base + int(m.group(1)))
+            self._in_run = False
             pos = m.end()
-        if s[pos:].strip():
-            ids.append(self.other)
+        self._run_text(s[pos:], ids)
         return ids
 
     def flush(self) -> list[int]:
-        """Ids of a leftover partial tail at the end of the stream (it was not a token)."""
+        """Ids of a leftover partial tail at the end of the stream (it was not a token: text of the last run)."""
         tail, self._tail = self._tail, ""
-        return [self.other] if tail.strip() else []
+        ids: list[int] = []
+        self._run_text(tail, ids)
+        return ids
+
+    def _run_text(self, text: str, ids: list[int]) -> None:
+        """Text between custom tokens: the run's one `other` id if this is its first non-blank text."""
+        if not self._in_run and text.strip():
+            ids.append(self.other)
+            self._in_run = True
 
 
 def _is_partial(fragment: str) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,20 +77,28 @@ async def collect(stream, limit_s: float = 60.0) -> list[list[int]]:
     return await asyncio.wait_for(run(), limit_s)
 
 
-def served_ids(token_ids: list[int], stop: set[int]) -> list[int]:
-    """What a text-streaming server's output means to us: custom tokens kept, specials skipped, text → pad."""
-    out = []
+def served_ids(token_ids: list[int], stop: set[int], tokenizer) -> list[int]:
+    """What a text-streaming server's output means to us (CustomTokenText), from the tokens: custom tokens kept,
+    Llama 3 specials skipped (the server's detokeniser drops them, so they do not end a run), and each run of other
+    tokens between custom tokens one pad if its text is not blank."""
+    out: list[int] = []
+    run: list[int] = []
+
+    def end_run() -> None:
+        if tokenizer.decode(run, skip_special_tokens=True).strip():
+            out.append(SPEC.pad)
+        run.clear()
+
     for t in token_ids:
         if t in stop:
             break
-        if SPEC.bos <= t < BASE:  # Llama 3 special tokens: skipped by the server's detokeniser
-            continue
-        out.append(t if t >= BASE else SPEC.pad)
+        if t >= BASE:
+            end_run()
+            out.append(t)
+        elif t < SPEC.bos:
+            run.append(t)
+    end_run()
     return out
-
-
-def unpadded(ids: list[int]) -> list[int]:
-    return [i for i in ids if i != SPEC.pad]
 
 
 # ---- against the real server ----
@@ -114,7 +124,7 @@ async def test_streamed_ids_equal_the_same_generation_run_locally(server, model_
     torch.manual_seed(1234)
     out = model.generate(**inputs, generation_config=config)[0, inputs.input_ids.shape[1] :].tolist()
 
-    assert got == served_ids(out, {SPEC.end_of_speech}) and got
+    assert got == served_ids(out, {SPEC.end_of_speech}, tokenizer) and got
     assert any(SPEC.first_audio_token <= i < SPEC.audio_token_end for i in got)  # the id mapping was exercised
     assert stream.finish_reason == (FinishReason.STOP if SPEC.end_of_speech in out else FinishReason.LENGTH)
     stats = backend.stats()
@@ -130,9 +140,9 @@ async def test_stop_id_ends_the_stream_and_is_not_delivered(server, tokenizer) -
     stop_id = next(i for i in greedy if i >= BASE and i != SPEC.pad)
     stream = backend.generate(request(tokenizer, "s", 8, temperature=0.0, stop=(SPEC.end_of_speech, stop_id)))
     got = [i for ids in await collect(stream) for i in ids]
-    # Text that is not a custom token becomes one pad per streamed fragment, and the server's fragments differ
-    # from run to run: compare the custom tokens, which do not.
-    assert unpadded(got) == unpadded(greedy[: greedy.index(stop_id)])
+    # Each run of text that is not a custom token is one pad however the server cuts it into events (which
+    # varies from run to run): the ids before the stop id are the greedy run's, exactly.
+    assert got == greedy[: greedy.index(stop_id)]
     assert stream.finish_reason == FinishReason.STOP
     await backend.close()
 
@@ -142,7 +152,7 @@ FRAGMENTS = ["as served", "each split in two"]
 
 def fragmented(pattern: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Streamed text as the server's fragments cut it, or each cut in two (what a server that flushes its detokeniser
-    at other moments sends): text that is not a custom token counts one pad a fragment, so the ids vary with it."""
+    at other moments sends): the ids must not vary with it (a run of text that is not a custom token is one pad)."""
     if pattern == "as served":
         return
     feed = CustomTokenText.feed
@@ -170,8 +180,8 @@ async def test_closing_the_stream_aborts_the_server_request(server, tokenizer, p
     # 4000-token one was aborted when its connection closed.
     t1 = time.monotonic()
     short = backend.generate(request(tokenizer, "short", 3, temperature=0.0))
-    # It ran to its 3-token limit: the server's finish reason says so whatever its fragments (the ids count one pad a
-    # text fragment, so their number says nothing of the tokens: 6 for these 3 when each fragment is cut in two).
+    # It ran to its 3-token limit: the server's finish reason says so (the ids count one pad a run of text between
+    # custom tokens, so their number says nothing of the tokens: these 3 greedy ones are one run, one pad).
     assert await collect(short, 60) and short.finish_reason == FinishReason.LENGTH
     elapsed = time.monotonic() - t1
     assert elapsed < min(30.0, 3996 * per_token / 4), (elapsed, per_token)
@@ -428,14 +438,72 @@ def test_the_backend_is_chosen_by_its_name_or_its_old_one() -> None:
 
 
 def test_custom_token_text_becomes_ids_even_when_split_across_chunks() -> None:
+    """Custom tokens exactly, whatever chunk a name ends in; each run of other text between them one pad, out at
+    its first non-blank character; a blank run nothing; a partial name left at the end text of the last run."""
     p = CustomTokenText(BASE, SPEC.pad)
     assert p.feed("<custom_tok") == []  # a token split across chunks waits
     assert p.feed("en_5><custom_token_7>") == [BASE + 5, BASE + 7]
     assert p.feed("<custom_token_1> hi<custom_token_2>") == [BASE + 1, SPEC.pad, BASE + 2]
     assert p.feed("  \n") == []  # whitespace between tokens is not an id
-    assert p.feed("<notatoken>") == [SPEC.pad]
-    assert p.feed("<custom_token_12") == [] and p.flush() == [SPEC.pad]  # never completed
-    assert p.feed("<custom_token_x>") == [SPEC.pad]
+    assert p.feed(" h") == [SPEC.pad]  # a run's pad is out at its first non-blank character...
+    assert p.feed("ello wor") == [] and p.feed("ld<notatoken>") == []  # ... and the run, spaces and all, is one
+    assert p.feed("<custom_token_3><custom_token_x>") == [BASE + 3, SPEC.pad]
+    assert p.feed("<custom_token_4><custom_token_12") == [BASE + 4] and p.flush() == [SPEC.pad]  # never completed
+    q = CustomTokenText(BASE, SPEC.pad)
+    assert q.feed("text<custom_tok") == [SPEC.pad] and q.flush() == []  # the tail was more text of the same run
+
+
+# Pieces of streamed text: custom tokens, names cut anywhere, near misses, ordinary text and whitespace, the test
+# model's text tokens (`<|unused_filler_N|>`, what its random weights mostly generate), a special token's name.
+PIECES = (
+    "<custom_token_5>", "<custom_token_4107>", "<custom_token_", "<custom_tok", "en_9>", "12", "<", ">", "x", " ",
+    "\n", "hi there", "<|unused_filler_37033|>", "<|eot_id|>", "é", "<custom_token_x>",
+)  # fmt: skip
+
+
+def ids_of(fragments: list[str]) -> list[int]:
+    """What CustomTokenText makes of a stream whose text comes in these fragments (events), flushed at its end."""
+    p = CustomTokenText(BASE, SPEC.pad)
+    return [i for fragment in fragments for i in p.feed(fragment)] + p.flush()
+
+
+def ids_of_text(text: str) -> list[int]:
+    """The ids CustomTokenText's docstring defines, written another way, from the whole text: each custom token its
+    id, each piece of text between them one pad unless blank."""
+    parts = re.split(r"<custom_token_(\d+)>", text)  # text, N, text, N, ..., text
+    return [BASE + int(part) if i % 2 else SPEC.pad for i, part in enumerate(parts) if i % 2 or part.strip()]
+
+
+def cut(text: str, positions: list[int]) -> list[str]:
+    """`text` cut at these positions (sorted; a position twice gives an empty fragment, as servers send)."""
+    bounds = [0, *positions, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def test_the_ids_of_streamed_text_do_not_depend_on_how_the_server_cuts_or_joins_it() -> None:
+    """The same text cut into fragments anywhere (joined whole, character by character, in two at every position,
+    at random positions, mid token name) gives the same ids: those of the whole text. Servers cut their text into
+    events as their timing goes (`transformers serve` joins the texts of several tokens into one event when its
+    writer falls behind), so ids that depended on the cuts would depend on the server's load."""
+    rng = random.Random(48)
+    # The test model's 3 text tokens of issue 48: 3 pads sent apart and 2 joined under load, before runs.
+    fillers = "<|unused_filler_37033|><|unused_filler_85634|><|unused_filler_78433|>"
+    texts = [
+        fillers,
+        "<custom_token_10><custom_token_4107> hello world<|x|><custom_token_8202>\n",
+        "<<custom_token_5><custom_token_12<custom_token_6>  <custom_token_7>x<custom_tok",
+        *("".join(rng.choices(PIECES, k=rng.randint(0, 12))) for _ in range(300)),
+    ]
+    assert ids_of_text(fillers) == [SPEC.pad]
+    for text in texts:
+        expected = ids_of_text(text)
+        assert ids_of([text]) == expected, text
+        assert ids_of(list(text)) == expected, text
+        for i in range(len(text) + 1):
+            assert ids_of(cut(text, [i])) == expected, (text, i)
+        for _ in range(20):
+            positions = sorted(rng.choices(range(len(text) + 1), k=rng.randint(1, len(text) + 1)))
+            assert ids_of(cut(text, positions)) == expected, (text, positions)
 
 
 async def pacing_server(period_s: float):

@@ -420,7 +420,14 @@ class CompletionsStream:
         self._fail(f"request {self.attempt.request_id} to {b.endpoint} failed after {attempt + 1} attempt(s): {err}")
 
     async def _next_event(self) -> dict[str, Any] | None:
-        """The next SSE `data:` payload as JSON; None at the end of the stream (EOF or `[DONE]`)."""
+        """The next SSE `data:` payload as JSON; None at the end of the stream (EOF or `[DONE]`).
+
+        A stream cut in the middle of an event is a BackendError, never a short stream or half an event: aiohttp
+        raises ClientPayloadError where the body's framing (chunked, Content-Length) says it is incomplete, and
+        where the body ends cleanly in the middle of a line (a server or proxy that closed it there, a body
+        delimited by the connection's end), readline returns that partial line: an error too, even if its JSON
+        happens to be whole.
+        """
         content = self._resp.content
         while True:
             try:
@@ -431,6 +438,10 @@ class CompletionsStream:
                 self._fail(f"stream broken: {exc!r}")
             if not line:
                 return None
+            if not line.endswith(b"\n"):
+                if self._ended:  # closed by aclose() while reading
+                    raise StopAsyncIteration
+                self._fail(f"stream cut in the middle of a line: {line[:200]!r}")
             if not line.startswith(b"data:"):
                 continue  # blank separators, comments, `event:` lines
             payload = line[5:].strip()

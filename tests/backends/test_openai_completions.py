@@ -4,7 +4,9 @@ the test model.
 The server runs in a subprocess on loopback only. Its streamed `<custom_token_N>` text is checked id for id
 against the same generation run locally (same seed, same generation config), cancellation is checked by the
 server's freed capacity, and retries by a refused port and by a late-starting TCP relay to the real server.
-Small tests replay vLLM's stream format (token ids per chunk) from an in-process aiohttp server; the backend
+Small tests replay vLLM's stream format (token ids per chunk) and `transformers serve`'s (text per chunk) from an
+in-process aiohttp server, directly or through a TCP relay that sends them byte by byte, late or cut
+(tests/servers.py TcpRelay); the text → ids mapping is checked against every way of cutting its text. The backend
 against a real vLLM OpenAI server runs in tests_vllm/ (the vLLM venv).
 """
 
@@ -30,7 +32,7 @@ from orpheus_tts_plugin.prompt import prompt_ids
 from orpheus_tts_plugin.spec import ENGLISH
 from orpheus_tts_plugin.tools.loopback import free_port
 from orpheus_tts_plugin.weights import TOKENIZER, weight_sources
-from tests.servers import transformers_serve
+from tests.servers import TcpRelay, transformers_serve
 
 SPEC = ENGLISH
 BASE = SPEC.custom_token_base
@@ -319,6 +321,222 @@ async def completions_server(handler: Any) -> tuple[Any, str]:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
+
+
+AUDIO = [SPEC.audio_token(k, 100 + k) for k in range(7)]  # one frame
+
+
+def name(token: int) -> str:
+    return f"<custom_token_{token - BASE}>"
+
+
+def sse(chunk: dict | str) -> bytes:
+    return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+
+
+def ids_event(token_ids: list[int], finish: str | None = None) -> bytes:
+    """A chunk as vLLM streams it with `return_token_ids`."""
+    choice = {"index": 0, "text": "", "token_ids": token_ids, "finish_reason": finish}
+    return sse({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]})
+
+
+def text_event(text: str, finish: str | None = None) -> bytes:
+    """A chunk as `transformers serve` streams it (pydantic's JSON, fields that are None left out)."""
+    choice = {"index": 0, "text": text} | ({"finish_reason": finish} if finish else {})
+    return sse({"id": "req-1", "choices": [choice], "created": 0, "model": "m", "object": "text_completion"})
+
+
+# Known streams in each server's format: (SSE event, the ids it delivers) in order, and the finish reason. The
+# text one cuts a token name across events, has a run of text over three events and an empty event.
+STREAMS: dict[str, tuple[list[tuple[bytes, list[int]]], str]] = {
+    "vllm": (
+        [
+            (ids_event(AUDIO[:3]), AUDIO[:3]),
+            (ids_event([]), []),
+            (ids_event(AUDIO[3:]), AUDIO[3:]),
+            (ids_event([SPEC.end_of_speech], "stop"), []),  # the stop id: not delivered
+            (sse('{"choices":[],"usage":{"completion_tokens":8}}'), []),
+            (sse("[DONE]"), []),
+        ],
+        FinishReason.STOP,
+    ),
+    "transformers": (
+        [
+            (text_event(name(AUDIO[0])), AUDIO[:1]),
+            (text_event(name(AUDIO[1]) + name(AUDIO[2])[:9]), AUDIO[1:2]),
+            (text_event(name(AUDIO[2])[9:] + " hello"), [AUDIO[2], SPEC.pad]),
+            (text_event(" world<|x|>"), []),
+            (text_event(""), []),
+            (text_event("\n" + "".join(map(name, AUDIO[3:]))), AUDIO[3:]),
+            (text_event("", "length"), []),
+        ],
+        FinishReason.LENGTH,
+    ),
+}
+FORMATS = list(STREAMS)
+
+
+def stream_body(fmt: str) -> list[bytes]:
+    return [event for event, _ in STREAMS[fmt][0]]
+
+
+def stream_ids(fmt: str, events: int | None = None) -> list[int]:
+    """The ids of the stream in format `fmt`, or of its first `events` events."""
+    return [i for _, ids in STREAMS[fmt][0][:events] for i in ids]
+
+
+HOLD = None  # in a response of sse_server: the server keeps the response open here until the client leaves
+
+
+async def sse_server(*responses: list[bytes | None], end_at: int | None = None) -> tuple[Any, str, list[dict]]:
+    """An in-process server answering the n-th POST /v1/completions with the SSE events of `responses[n]` (the last
+    one for any after), each its own write (its own chunk of the chunked body); at HOLD it keeps the response open
+    (an SSE comment every 10 ms) until the client leaves. With `end_at`, the body ends there (cleanly: its last
+    chunk is sent) after that many bytes, in whatever event that is. (runner, URL, the request bodies)."""
+    from aiohttp import web
+
+    bodies: list[dict] = []
+
+    async def completions(http_request: web.Request) -> web.StreamResponse:
+        bodies.append(await http_request.json())
+        events = responses[min(len(bodies), len(responses)) - 1]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(http_request)
+        pos, end = 0, end_at
+        for event in events:
+            if event is HOLD:
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(3000):  # 30 s at most
+                        await asyncio.sleep(0.01)
+                        await resp.write(b": generating\n\n")
+                return resp
+            part = event if end is None else event[: max(0, end - pos)]
+            pos += len(event)
+            if part:
+                await resp.write(part)
+        return resp
+
+    runner, url = await completions_server(completions)
+    return runner, url, bodies
+
+
+def stream_backend(url: str, fmt: str) -> OpenAICompletionsBackend:
+    """A backend reading the stream format `fmt`: token ids (dialect vllm, no probe) or text (dialect openai: the
+    transformers dialect's text parsing, with prompt ids, so no tokenizer)."""
+    if fmt == "vllm":
+        return OpenAICompletionsBackend(url, model="m", dialect="vllm", constrain_audio=False)
+    return OpenAICompletionsBackend(url, model="m", dialect="openai")
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def read_all(stream: Any, limit_s: float = 30.0) -> tuple[list[int], BackendError | None]:
+    """Every id the stream delivers, in order, and the BackendError that ended it (None: it ended normally)."""
+    got: list[int] = []
+
+    async def run() -> BackendError | None:
+        try:
+            async for ids in stream:
+                got.extend(ids)
+        except BackendError as exc:
+            return exc
+        return None
+
+    return got, await asyncio.wait_for(run(), limit_s)
+
+
+NETWORKS = {"direct": None, "byte by byte": {"chunk": 1}, "first byte late": {"first_byte_delay_s": 0.5}}
+
+
+@pytest.mark.parametrize("network", list(NETWORKS))
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_every_id_arrives_once_and_in_order_however_the_network_delivers_the_stream(
+    fmt: str, network: str
+) -> None:
+    """A known stream, in vLLM's format (token ids) and in `transformers serve`'s (text), straight from the server,
+    byte by byte through a relay (every SSE line and JSON cut wherever a read ends), and through a relay that holds
+    back the server's first byte: every id once, in order, then the server's finish reason."""
+    runner, url, _ = await sse_server(stream_body(fmt))
+    relay = TcpRelay(port_of(url), **NETWORKS[network]) if NETWORKS[network] else None
+    backend = stream_backend(relay.url if relay else url, fmt)
+    try:
+        if relay:
+            await relay.start()
+        await backend.start()
+        req = GenerationRequest("n", (7, 8, 9), SamplingParams(seed=5), 100, (SPEC.end_of_speech,))
+        stream = backend.generate(req)
+        got, error = await read_all(stream)
+        assert error is None and got == stream_ids(fmt)
+        assert stream.finish_reason == STREAMS[fmt][1]
+        stats = backend.stats()
+        assert stats["tokens"] == len(got) and stats["errors"] == 0 and stats["live_requests"] == 0
+        await stream.aclose()
+    finally:
+        await backend.close()
+        if relay:
+            await relay.close()
+        await runner.cleanup()
+
+
+# Where a stream is cut: in an event (the index of the event, where in it), and how. Where the relay cuts the
+# connection, aiohttp sees the chunked body incomplete (ClientPayloadError); where the server ends its body there,
+# readline returns the partial line (even a whole JSON, its line's end cut off). The relay cuts before a byte
+# string found once in the stream, so a cut just before a line's end is the server's case only.
+CUTS = {
+    "in the middle of an event": (2, "middle"),
+    "in the middle of the finish event": ("finish", "middle"),
+    "after the finish event's JSON, before its line's end": ("finish", "before newline"),
+}
+RELAY_CUTS, SERVER_ENDS = "the relay cuts the connection", "the server ends the body"
+CUT_CASES = [
+    (where, how)
+    for where, (_, at) in CUTS.items()
+    for how in (RELAY_CUTS, SERVER_ENDS)
+    if how == SERVER_ENDS or at != "before newline"
+]
+
+
+def cut_point(fmt: str, where: str) -> tuple[int, int, bytes]:
+    """(index of the event cut, offset of the cut in the body, the rest of that event from the cut on)."""
+    events = stream_body(fmt)
+    index, at = CUTS[where]
+    if index == "finish":
+        index = next(k for k, (event, _) in enumerate(STREAMS[fmt][0]) if b'"finish_reason":"' in event)
+    event = events[index]
+    offset = len(event) // 2 if at == "middle" else len(event) - 2
+    return index, len(b"".join(events[:index])) + offset, event[offset:]
+
+
+@pytest.mark.parametrize(("where", "how"), CUT_CASES)
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_stream_cut_in_the_middle_of_an_event_ends_with_a_backend_error(fmt: str, where: str, how: str) -> None:
+    """A stream cut inside an event, by the network (the relay, byte by byte, closes the connection there) or by
+    the server (its body ends there): the ids of the events before the cut, then BackendError; never a stream that
+    ends short as if it were complete, never an id of the cut event."""
+    index, offset, rest = cut_point(fmt, where)
+    relayed = how == RELAY_CUTS
+    runner, url, _ = await sse_server(stream_body(fmt), end_at=None if relayed else offset)
+    relay = TcpRelay(port_of(url), chunk=1, cut_before=rest) if relayed else None
+    backend = stream_backend(relay.url if relay else url, fmt)
+    try:
+        if relay:
+            await relay.start()
+        await backend.start()
+        stream = backend.generate(GenerationRequest("c", (7, 8, 9), SamplingParams(), 100, (SPEC.end_of_speech,)))
+        got, error = await read_all(stream)
+        assert isinstance(error, BackendError) and got == stream_ids(fmt, index), (error, got)
+        assert stream.finish_reason == FinishReason.ERROR
+        assert backend.stats()["errors"] == 1 and backend.stats()["live_requests"] == 0
+        assert relay is None or relay.cuts == 1
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+    finally:
+        await backend.close()
+        if relay:
+            await relay.close()
+        await runner.cleanup()
 
 
 async def test_vllm_token_id_stream_with_allowed_ids_where_the_server_lacks_the_processor() -> None:

@@ -206,42 +206,42 @@ async def test_http_error_is_a_backend_error_without_retries(server, tokenizer) 
 
 
 async def test_retries_reach_a_server_that_comes_up_late(server, model_dir, tokenizer) -> None:
-    """Connection refused at first; a TCP relay to the real server starts listening 0.3 s later."""
-    port = free_port()
+    """Connection refused at first; a TCP relay to the real server starts listening 0.3 s later. What comes
+    through it is what the same seeded request gets from the server directly: the same ids, the same finish
+    reason (compared with each other, not counted against the tokens: the ids of a text server count one pad a
+    run of text, and must not depend on how the server's timing cuts or joins its events)."""
     target_port = int(server.rsplit(":", 1)[1])
+    relay = TcpRelay(target_port)
 
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        server_r, server_w = await asyncio.open_connection("127.0.0.1", target_port)
-        await asyncio.gather(pipe(client_r, server_w), pipe(server_r, client_w))
-
-    async def start_late() -> asyncio.Server:
+    async def start_late() -> None:
         await asyncio.sleep(0.3)
-        return await asyncio.start_server(relay, "127.0.0.1", port)
+        await relay.start()
 
     backend = OpenAICompletionsBackend(
-        f"http://127.0.0.1:{port}/v1",
+        relay.url,
         model=str(model_dir),
         dialect="transformers",
         tokenizer=tokenizer,
         connect_retries=8,
         retry_backoff_s=0.05,
     )
-    await backend.start()
-    starter = asyncio.create_task(start_late())
-    stream = backend.generate(request(tokenizer, "late", 3))
-    got = await collect(stream, 60)
-    relay_server = await starter
-    assert sum(len(ids) for ids in got) == 3 and stream.finish_reason == FinishReason.LENGTH
-    assert backend.stats()["retries"] >= 1
-    await backend.close()
-    relay_server.close()
+    direct = OpenAICompletionsBackend(server, model=str(model_dir), dialect="transformers", tokenizer=tokenizer)
+    try:
+        await backend.start()
+        await direct.start()
+        starter = asyncio.create_task(start_late())
+        stream = backend.generate(request(tokenizer, "late", 3))
+        got = [i for ids in await collect(stream, 60) for i in ids]
+        await starter
+        assert backend.stats()["retries"] >= 1
+        reference = direct.generate(request(tokenizer, "direct", 3))
+        expected = [i for ids in await collect(reference, 60) for i in ids]
+        assert got == expected and got
+        assert stream.finish_reason == reference.finish_reason == FinishReason.LENGTH
+    finally:
+        await backend.close()
+        await direct.close()
+        await relay.close()
 
 
 # ---- without the server ----

@@ -88,6 +88,11 @@ class CustomTokenText:
         self._run_text(tail, ids)
         return ids
 
+    def drop_tail(self) -> None:
+        """Forget a partial token name: its response was closed (a pause), and a continuation starts anew. The
+        run goes on: text that the continuation streams before its first custom token is no new id."""
+        self._tail = ""
+
     def _run_text(self, text: str, ids: list[int]) -> None:
         """Text between custom tokens: the run's one `other` id if this is its first non-blank text."""
         if not self._in_run and text.strip():
@@ -300,6 +305,14 @@ class CompletionsStream:
     the next read sends its `continuation`: prompt + every id delivered, the rest of the budget, the audio
     constraint going on at the next frame position, request id `{id}~{n}`. The reader sees one request. Call
     `pause` between reads (the engine does: from the task that reads).
+
+    From a text server, "every id delivered" is what `CustomTokenText` made of the text: the audio exactly, each
+    run of other text one pad, a skipped special token nothing. So the continuation's prompt has a pad where a
+    run of text was (text the frame parser discards anyway), and its budget, `max_new_tokens` less the ids
+    delivered, is at least what was left of it (a run is one token or more, an audio id exactly one): a pause
+    never shortens a stream, and one with text among its audio may generate a few tokens more than
+    `max_new_tokens` in all. A run that the pause cut goes on in the continuation: the continuation's text before
+    its first custom token is no new id, as if there had been no pause.
     """
 
     def __init__(
@@ -320,7 +333,7 @@ class CompletionsStream:
         self._ended = False  # no more ids: finish seen, failed or closed
         self._drain_pending = False
         self.attempt = req  # the request sent (or to send): `req` or its latest continuation
-        self._sent: list[int] = []  # every id delivered, over every attempt: a continuation's prompt tail
+        self._sent: list[int] = []  # every id delivered, all attempts: a continuation's prompt tail (text: a pad a run)
         self._paused = False
         self._resumes = 0
 
@@ -336,7 +349,7 @@ class CompletionsStream:
                 return
             self._resumes += 1
             self.attempt = continuation(self.req, self._sent, self._resumes)
-            self._text = CustomTokenText(self._backend.spec.custom_token_base, self._backend.spec.pad)
+            self._text.drop_tail()  # the closed response's partial token name; its run goes on
             return
         self._counts.pause()
         if self._resp is not None:

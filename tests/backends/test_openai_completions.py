@@ -793,3 +793,29 @@ async def test_a_paused_stream_leaves_the_server_and_resumes_as_one_request(peri
     finally:
         await backend.close()
         await runner.cleanup()
+
+
+async def test_a_run_of_text_that_a_pause_cuts_goes_on_in_the_continuation_as_the_same_run() -> None:
+    """A text server's stream paused in a run of text (its pad delivered): the continuation's prompt is the first
+    prompt + the ids delivered (the run as its one pad), its budget the rest, and its text before its first custom
+    token is the same run, no second pad: the ids are those of the unpaused stream's text."""
+    first = [text_event(name(AUDIO[0])), text_event(" hel"), HOLD]
+    rest = [text_event("lo"), text_event(" world"), text_event(name(AUDIO[1])), text_event("", "length")]
+    runner, url, bodies = await sse_server(first, rest)
+    backend = stream_backend(url, "transformers")
+    try:
+        await backend.start()
+        stream = backend.generate(GenerationRequest("t", (7, 8, 9), SamplingParams(seed=5), 30, (SPEC.end_of_speech,)))
+        got = [*await stream.__anext__(), *await stream.__anext__()]
+        assert got == [AUDIO[0], SPEC.pad]
+        stream.pause(True)
+        stream.pause(False)
+        more, error = await read_all(stream)
+        # What the text `<a> hello world<b>` gives unpaused: one pad for " hello world", not one for each part.
+        assert error is None and got + more == [AUDIO[0], SPEC.pad, AUDIO[1]]
+        assert stream.finish_reason == FinishReason.LENGTH
+        assert bodies[1]["prompt"] == [7, 8, 9, AUDIO[0], SPEC.pad] and bodies[1]["max_tokens"] == 28
+        await stream.aclose()
+    finally:
+        await backend.close()
+        await runner.cleanup()

@@ -1,6 +1,6 @@
 """Real servers for tests, on loopback: a server subprocess that is up once GET url/health is 200, `transformers
-serve` with a local model, `orpheus-tts serve` subprocesses (up once GET /ready is 200), and polling for an event
-with a deadline.
+serve` with a local model, `orpheus-tts serve` subprocesses (up once GET /ready is 200), a TCP relay that plays a
+slow, late or breaking network in front of a server, and polling for an event with a deadline.
 
 Shared by tests/ and tests_vllm/ (the vLLM venv), so it imports only the standard library, pytest and the
 package's loopback probes (orpheus_tts_plugin/tools/loopback.py; the tests take free_port from there).
@@ -124,6 +124,120 @@ def serve_process(args: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """`orpheus-tts serve ARGS` in a subprocess, once /ready answers 200; killed at the end if still running."""
     with serve_processes([args], log) as (proc,):
         yield proc
+
+
+class TcpRelay:
+    """A TCP relay on 127.0.0.1 to the server at `target_port` on loopback, which plays the network in between.
+
+    What the client sends goes to the server as it comes. What the server sends comes back `chunk` bytes a write
+    (`chunk=1`: byte by byte, two turns of the event loop after each, so that a client in the same loop reads each
+    byte apart from the next), the first of it `first_byte_delay_s` late; with `cut_before`, only the bytes before
+    that byte string's first occurrence come back (the last len(cut_before) - 1 bytes wait until the next ones
+    show they do not start it), and then the relay closes both connections: the client's response ends there, in
+    the middle of whatever it was reading. Each connection is cut at its own first occurrence. The relay listens
+    on `port` (a free one if not given) from `start()`, which may come late, to play a server that comes up late;
+    `close()` stops it and closes the connections still open. Use `async with` or start() / close().
+    """
+
+    def __init__(
+        self,
+        target_port: int,
+        *,
+        port: int | None = None,
+        chunk: int = 65536,
+        first_byte_delay_s: float = 0.0,
+        cut_before: bytes | None = None,
+    ):
+        if chunk < 1 or cut_before == b"":
+            raise ValueError("chunk must be >= 1 and cut_before non-empty")
+        self.target_port = target_port
+        self.port = port if port is not None else free_port()
+        self.chunk = chunk
+        self.first_byte_delay_s = first_byte_delay_s
+        self.cut_before = cut_before
+        self.cuts = 0  # connections cut at `cut_before`
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()  # one a connection
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> TcpRelay:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
+
+    async def __aenter__(self) -> TcpRelay:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:  # nothing listens there: the client sees its connection closed
+            client_w.close()
+            self._tasks.discard(task)
+            return
+        self._writers |= {client_w, server_w}
+        up = asyncio.ensure_future(self._forward(client_r, server_w))
+        try:
+            await self._back(server_r, client_w)
+        except ConnectionError:
+            pass
+        finally:
+            up.cancel()
+            for writer in (client_w, server_w):
+                writer.close()
+                self._writers.discard(writer)
+            self._tasks.discard(task)
+
+    @staticmethod
+    async def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The client's bytes to the server as they come; the client's close closes the server's connection."""
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def _back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The server's bytes to the client, paced and cut as the class docstring says."""
+        seen = bytearray()  # every byte the server sent on this connection
+        sent = 0  # how many of them went to the client
+        hold = len(self.cut_before) - 1 if self.cut_before else 0  # bytes that may be the start of `cut_before`
+        while data := await reader.read(65536):
+            if not seen and self.first_byte_delay_s:
+                await asyncio.sleep(self.first_byte_delay_s)
+            seen += data
+            at = seen.find(self.cut_before) if self.cut_before else -1
+            end = at if at != -1 else max(sent, len(seen) - hold)
+            await self._send(writer, seen[sent:end])
+            sent = end
+            if at != -1:
+                self.cuts += 1
+                return
+        await self._send(writer, seen[sent:])
+
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes | bytearray) -> None:
+        for i in range(0, len(data), self.chunk):
+            writer.write(bytes(data[i : i + self.chunk]))
+            await writer.drain()
+            if self.chunk < 65536:  # two turns of the loop (one did not do): the client reads the piece alone
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
 
 
 async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:

@@ -3,7 +3,9 @@
 This is how CPU-only agent processes share a pool of GPU servers (trtllm-serve, vLLM, SGLang, `transformers
 serve`) behind a load balancer. Prompts go out as token ids where the server accepts them; token ids come back
 where the server streams them (trtllm-serve with `detokenize: false`, vLLM with `return_token_ids`), otherwise
-`<custom_token_N>` is parsed from the streamed text (id = 128256 + N). One `aiohttp.ClientSession` per backend
+they are parsed from the streamed text (`CustomTokenText`), and then mean: `<custom_token_N>` exactly (id = 128256
++ N, the audio), each run of other text between custom tokens one non-audio id (pad) however the server cuts or joins
+its events, and special tokens the server skips nothing. One `aiohttp.ClientSession` per backend
 (the engine is process-wide, so one per process); closing a stream closes its HTTP response, which makes the
 server abort the request. With vLLM, the audio constraint per frame position travels as `vllm_xargs` when the server
 runs this package's logits processor (`--logits-processors orpheus_tts_plugin.backends.vllm_logits:...`); otherwise
@@ -41,17 +43,27 @@ _PROBE_TOKENS = 7  # one frame: chance that an unconstrained model obeys the pro
 
 
 class CustomTokenText:
-    """Streamed text → ids: `<custom_token_N>` is id base+N; other non-blank text counts as one non-audio id.
+    """Streamed text → ids, the same however the server cuts its text into SSE events or joins it.
 
-    A chunk may end inside a token name (`<custom_tok`); that tail waits for the next chunk. Whitespace between
-    tokens is ignored (detokenisers may add it); any other text becomes `other` (a non-audio id such as pad) so
-    the frame parser counts it as invalid instead of silently losing it.
+    `<custom_token_N>` is id base+N, exactly. The text between two custom tokens (or before the first, or after the
+    last) is a run; a run with anything but whitespace in it becomes ONE `other` id (a non-audio id such as pad),
+    emitted as soon as its first non-blank character arrives (no added latency), so the frame parser counts it as
+    invalid instead of silently losing it; a blank run (whitespace a detokeniser puts between tokens) is no id.
+    Whitespace inside a run does not end it: only a custom token does. The ids are thus a function of the stream's
+    whole text, not of its events: a server that sends each token's text as its own event and one that joins
+    several into one (`transformers serve` does when its writer falls behind) give the same ids, where one id per
+    event made their number depend on the server's timing. Special tokens the server skips are not in the text,
+    so they give no id and do not end a run.
+
+    A chunk may end inside a token name (`<custom_tok`); that tail waits for the next chunk, and `flush()` at the
+    end of the stream counts it as text of the last run.
     """
 
     def __init__(self, base: int, other: int):
         self.base = base
         self.other = other
         self._tail = ""
+        self._in_run = False  # the current run's `other` id is out: more text of it is no id
 
     def feed(self, text: str) -> list[int]:
         s = self._tail + text
@@ -62,18 +74,30 @@ class CustomTokenText:
         ids: list[int] = []
         pos = 0
         for m in _CUSTOM.finditer(s):
-            if s[pos : m.start()].strip():
-                ids.append(self.other)
+            self._run_text(s[pos : m.start()], ids)
             ids.append(self.base + int(m.group(1)))
+            self._in_run = False
             pos = m.end()
-        if s[pos:].strip():
-            ids.append(self.other)
+        self._run_text(s[pos:], ids)
         return ids
 
     def flush(self) -> list[int]:
-        """Ids of a leftover partial tail at the end of the stream (it was not a token)."""
+        """Ids of a leftover partial tail at the end of the stream (it was not a token: text of the last run)."""
         tail, self._tail = self._tail, ""
-        return [self.other] if tail.strip() else []
+        ids: list[int] = []
+        self._run_text(tail, ids)
+        return ids
+
+    def drop_tail(self) -> None:
+        """Forget a partial token name: its response was closed (a pause), and a continuation starts anew. The
+        run goes on: text that the continuation streams before its first custom token is no new id."""
+        self._tail = ""
+
+    def _run_text(self, text: str, ids: list[int]) -> None:
+        """Text between custom tokens: the run's one `other` id if this is its first non-blank text."""
+        if not self._in_run and text.strip():
+            ids.append(self.other)
+            self._in_run = True
 
 
 def _is_partial(fragment: str) -> bool:
@@ -281,6 +305,14 @@ class CompletionsStream:
     the next read sends its `continuation`: prompt + every id delivered, the rest of the budget, the audio
     constraint going on at the next frame position, request id `{id}~{n}`. The reader sees one request. Call
     `pause` between reads (the engine does: from the task that reads).
+
+    From a text server, "every id delivered" is what `CustomTokenText` made of the text: the audio exactly, each
+    run of other text one pad, a skipped special token nothing. So the continuation's prompt has a pad where a
+    run of text was (text the frame parser discards anyway), and its budget, `max_new_tokens` less the ids
+    delivered, is at least what was left of it (a run is one token or more, an audio id exactly one): a pause
+    never shortens a stream, and one with text among its audio may generate a few tokens more than
+    `max_new_tokens` in all. A run that the pause cut goes on in the continuation: the continuation's text before
+    its first custom token is no new id, as if there had been no pause.
     """
 
     def __init__(
@@ -301,7 +333,7 @@ class CompletionsStream:
         self._ended = False  # no more ids: finish seen, failed or closed
         self._drain_pending = False
         self.attempt = req  # the request sent (or to send): `req` or its latest continuation
-        self._sent: list[int] = []  # every id delivered, over every attempt: a continuation's prompt tail
+        self._sent: list[int] = []  # every id delivered, all attempts: a continuation's prompt tail (text: a pad a run)
         self._paused = False
         self._resumes = 0
 
@@ -317,7 +349,7 @@ class CompletionsStream:
                 return
             self._resumes += 1
             self.attempt = continuation(self.req, self._sent, self._resumes)
-            self._text = CustomTokenText(self._backend.spec.custom_token_base, self._backend.spec.pad)
+            self._text.drop_tail()  # the closed response's partial token name; its run goes on
             return
         self._counts.pause()
         if self._resp is not None:
@@ -401,7 +433,14 @@ class CompletionsStream:
         self._fail(f"request {self.attempt.request_id} to {b.endpoint} failed after {attempt + 1} attempt(s): {err}")
 
     async def _next_event(self) -> dict[str, Any] | None:
-        """The next SSE `data:` payload as JSON; None at the end of the stream (EOF or `[DONE]`)."""
+        """The next SSE `data:` payload as JSON; None at the end of the stream (EOF or `[DONE]`).
+
+        A stream cut in the middle of an event is a BackendError, never a short stream or half an event: aiohttp
+        raises ClientPayloadError where the body's framing (chunked, Content-Length) says it is incomplete, and
+        where the body ends cleanly in the middle of a line (a server or proxy that closed it there, a body
+        delimited by the connection's end), readline returns that partial line: an error too, even if its JSON
+        happens to be whole.
+        """
         content = self._resp.content
         while True:
             try:
@@ -412,6 +451,10 @@ class CompletionsStream:
                 self._fail(f"stream broken: {exc!r}")
             if not line:
                 return None
+            if not line.endswith(b"\n"):
+                if self._ended:  # closed by aclose() while reading
+                    raise StopAsyncIteration
+                self._fail(f"stream cut in the middle of a line: {line[:200]!r}")
             if not line.startswith(b"data:"):
                 continue  # blank separators, comments, `event:` lines
             payload = line[5:].strip()

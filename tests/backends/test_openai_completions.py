@@ -4,7 +4,9 @@ the test model.
 The server runs in a subprocess on loopback only. Its streamed `<custom_token_N>` text is checked id for id
 against the same generation run locally (same seed, same generation config), cancellation is checked by the
 server's freed capacity, and retries by a refused port and by a late-starting TCP relay to the real server.
-Small tests replay vLLM's stream format (token ids per chunk) from an in-process aiohttp server; the backend
+Small tests replay vLLM's stream format (token ids per chunk) and `transformers serve`'s (text per chunk) from an
+in-process aiohttp server, directly or through a TCP relay that sends them byte by byte, late or cut
+(tests/servers.py TcpRelay); the text → ids mapping is checked against every way of cutting its text. The backend
 against a real vLLM OpenAI server runs in tests_vllm/ (the vLLM venv).
 """
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +32,7 @@ from orpheus_tts_plugin.spec import ENGLISH
 from orpheus_tts_plugin.speech.prompt import prompt_ids
 from orpheus_tts_plugin.tools.loopback import free_port
 from orpheus_tts_plugin.weights import TOKENIZER, weight_sources
-from tests.servers import transformers_serve
+from tests.servers import TcpRelay, transformers_serve
 
 SPEC = ENGLISH
 BASE = SPEC.custom_token_base
@@ -75,20 +79,28 @@ async def collect(stream, limit_s: float = 60.0) -> list[list[int]]:
     return await asyncio.wait_for(run(), limit_s)
 
 
-def served_ids(token_ids: list[int], stop: set[int]) -> list[int]:
-    """What a text-streaming server's output means to us: custom tokens kept, specials skipped, text → pad."""
-    out = []
+def served_ids(token_ids: list[int], stop: set[int], tokenizer) -> list[int]:
+    """What a text-streaming server's output means to us (CustomTokenText), from the tokens: custom tokens kept,
+    Llama 3 specials skipped (the server's detokeniser drops them, so they do not end a run), and each run of other
+    tokens between custom tokens one pad if its text is not blank."""
+    out: list[int] = []
+    run: list[int] = []
+
+    def end_run() -> None:
+        if tokenizer.decode(run, skip_special_tokens=True).strip():
+            out.append(SPEC.pad)
+        run.clear()
+
     for t in token_ids:
         if t in stop:
             break
-        if SPEC.bos <= t < BASE:  # Llama 3 special tokens: skipped by the server's detokeniser
-            continue
-        out.append(t if t >= BASE else SPEC.pad)
+        if t >= BASE:
+            end_run()
+            out.append(t)
+        elif t < SPEC.bos:
+            run.append(t)
+    end_run()
     return out
-
-
-def unpadded(ids: list[int]) -> list[int]:
-    return [i for i in ids if i != SPEC.pad]
 
 
 # ---- against the real server ----
@@ -114,7 +126,7 @@ async def test_streamed_ids_equal_the_same_generation_run_locally(server, model_
     torch.manual_seed(1234)
     out = model.generate(**inputs, generation_config=config)[0, inputs.input_ids.shape[1] :].tolist()
 
-    assert got == served_ids(out, {SPEC.end_of_speech}) and got
+    assert got == served_ids(out, {SPEC.end_of_speech}, tokenizer) and got
     assert any(SPEC.first_audio_token <= i < SPEC.audio_token_end for i in got)  # the id mapping was exercised
     assert stream.finish_reason == (FinishReason.STOP if SPEC.end_of_speech in out else FinishReason.LENGTH)
     stats = backend.stats()
@@ -130,9 +142,9 @@ async def test_stop_id_ends_the_stream_and_is_not_delivered(server, tokenizer) -
     stop_id = next(i for i in greedy if i >= BASE and i != SPEC.pad)
     stream = backend.generate(request(tokenizer, "s", 8, temperature=0.0, stop=(SPEC.end_of_speech, stop_id)))
     got = [i for ids in await collect(stream) for i in ids]
-    # Text that is not a custom token becomes one pad per streamed fragment, and the server's fragments differ
-    # from run to run: compare the custom tokens, which do not.
-    assert unpadded(got) == unpadded(greedy[: greedy.index(stop_id)])
+    # Each run of text that is not a custom token is one pad however the server cuts it into events (which
+    # varies from run to run): the ids before the stop id are the greedy run's, exactly.
+    assert got == greedy[: greedy.index(stop_id)]
     assert stream.finish_reason == FinishReason.STOP
     await backend.close()
 
@@ -142,7 +154,7 @@ FRAGMENTS = ["as served", "each split in two"]
 
 def fragmented(pattern: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Streamed text as the server's fragments cut it, or each cut in two (what a server that flushes its detokeniser
-    at other moments sends): text that is not a custom token counts one pad a fragment, so the ids vary with it."""
+    at other moments sends): the ids must not vary with it (a run of text that is not a custom token is one pad)."""
     if pattern == "as served":
         return
     feed = CustomTokenText.feed
@@ -170,8 +182,8 @@ async def test_closing_the_stream_aborts_the_server_request(server, tokenizer, p
     # 4000-token one was aborted when its connection closed.
     t1 = time.monotonic()
     short = backend.generate(request(tokenizer, "short", 3, temperature=0.0))
-    # It ran to its 3-token limit: the server's finish reason says so whatever its fragments (the ids count one pad a
-    # text fragment, so their number says nothing of the tokens: 6 for these 3 when each fragment is cut in two).
+    # It ran to its 3-token limit: the server's finish reason says so (the ids count one pad a run of text between
+    # custom tokens, so their number says nothing of the tokens: these 3 greedy ones are one run, one pad).
     assert await collect(short, 60) and short.finish_reason == FinishReason.LENGTH
     elapsed = time.monotonic() - t1
     assert elapsed < min(30.0, 3996 * per_token / 4), (elapsed, per_token)
@@ -194,42 +206,42 @@ async def test_http_error_is_a_backend_error_without_retries(server, tokenizer) 
 
 
 async def test_retries_reach_a_server_that_comes_up_late(server, model_dir, tokenizer) -> None:
-    """Connection refused at first; a TCP relay to the real server starts listening 0.3 s later."""
-    port = free_port()
+    """Connection refused at first; a TCP relay to the real server starts listening 0.3 s later. What comes
+    through it is what the same seeded request gets from the server directly: the same ids, the same finish
+    reason (compared with each other, not counted against the tokens: the ids of a text server count one pad a
+    run of text, and must not depend on how the server's timing cuts or joins its events)."""
     target_port = int(server.rsplit(":", 1)[1])
+    relay = TcpRelay(target_port)
 
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        writer.close()
-
-    async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        server_r, server_w = await asyncio.open_connection("127.0.0.1", target_port)
-        await asyncio.gather(pipe(client_r, server_w), pipe(server_r, client_w))
-
-    async def start_late() -> asyncio.Server:
+    async def start_late() -> None:
         await asyncio.sleep(0.3)
-        return await asyncio.start_server(relay, "127.0.0.1", port)
+        await relay.start()
 
     backend = OpenAICompletionsBackend(
-        f"http://127.0.0.1:{port}/v1",
+        relay.url,
         model=str(model_dir),
         dialect="transformers",
         tokenizer=tokenizer,
         connect_retries=8,
         retry_backoff_s=0.05,
     )
-    await backend.start()
-    starter = asyncio.create_task(start_late())
-    stream = backend.generate(request(tokenizer, "late", 3))
-    got = await collect(stream, 60)
-    relay_server = await starter
-    assert sum(len(ids) for ids in got) == 3 and stream.finish_reason == FinishReason.LENGTH
-    assert backend.stats()["retries"] >= 1
-    await backend.close()
-    relay_server.close()
+    direct = OpenAICompletionsBackend(server, model=str(model_dir), dialect="transformers", tokenizer=tokenizer)
+    try:
+        await backend.start()
+        await direct.start()
+        starter = asyncio.create_task(start_late())
+        stream = backend.generate(request(tokenizer, "late", 3))
+        got = [i for ids in await collect(stream, 60) for i in ids]
+        await starter
+        assert backend.stats()["retries"] >= 1
+        reference = direct.generate(request(tokenizer, "direct", 3))
+        expected = [i for ids in await collect(reference, 60) for i in ids]
+        assert got == expected and got
+        assert stream.finish_reason == reference.finish_reason == FinishReason.LENGTH
+    finally:
+        await backend.close()
+        await direct.close()
+        await relay.close()
 
 
 # ---- without the server ----
@@ -309,6 +321,222 @@ async def completions_server(handler: Any) -> tuple[Any, str]:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
+
+
+AUDIO = [SPEC.audio_token(k, 100 + k) for k in range(7)]  # one frame
+
+
+def name(token: int) -> str:
+    return f"<custom_token_{token - BASE}>"
+
+
+def sse(chunk: dict | str) -> bytes:
+    return f"data: {chunk if isinstance(chunk, str) else json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+
+
+def ids_event(token_ids: list[int], finish: str | None = None) -> bytes:
+    """A chunk as vLLM streams it with `return_token_ids`."""
+    choice = {"index": 0, "text": "", "token_ids": token_ids, "finish_reason": finish}
+    return sse({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]})
+
+
+def text_event(text: str, finish: str | None = None) -> bytes:
+    """A chunk as `transformers serve` streams it (pydantic's JSON, fields that are None left out)."""
+    choice = {"index": 0, "text": text} | ({"finish_reason": finish} if finish else {})
+    return sse({"id": "req-1", "choices": [choice], "created": 0, "model": "m", "object": "text_completion"})
+
+
+# Known streams in each server's format: (SSE event, the ids it delivers) in order, and the finish reason. The
+# text one cuts a token name across events, has a run of text over three events and an empty event.
+STREAMS: dict[str, tuple[list[tuple[bytes, list[int]]], str]] = {
+    "vllm": (
+        [
+            (ids_event(AUDIO[:3]), AUDIO[:3]),
+            (ids_event([]), []),
+            (ids_event(AUDIO[3:]), AUDIO[3:]),
+            (ids_event([SPEC.end_of_speech], "stop"), []),  # the stop id: not delivered
+            (sse('{"choices":[],"usage":{"completion_tokens":8}}'), []),
+            (sse("[DONE]"), []),
+        ],
+        FinishReason.STOP,
+    ),
+    "transformers": (
+        [
+            (text_event(name(AUDIO[0])), AUDIO[:1]),
+            (text_event(name(AUDIO[1]) + name(AUDIO[2])[:9]), AUDIO[1:2]),
+            (text_event(name(AUDIO[2])[9:] + " hello"), [AUDIO[2], SPEC.pad]),
+            (text_event(" world<|x|>"), []),
+            (text_event(""), []),
+            (text_event("\n" + "".join(map(name, AUDIO[3:]))), AUDIO[3:]),
+            (text_event("", "length"), []),
+        ],
+        FinishReason.LENGTH,
+    ),
+}
+FORMATS = list(STREAMS)
+
+
+def stream_body(fmt: str) -> list[bytes]:
+    return [event for event, _ in STREAMS[fmt][0]]
+
+
+def stream_ids(fmt: str, events: int | None = None) -> list[int]:
+    """The ids of the stream in format `fmt`, or of its first `events` events."""
+    return [i for _, ids in STREAMS[fmt][0][:events] for i in ids]
+
+
+HOLD = None  # in a response of sse_server: the server keeps the response open here until the client leaves
+
+
+async def sse_server(*responses: list[bytes | None], end_at: int | None = None) -> tuple[Any, str, list[dict]]:
+    """An in-process server answering the n-th POST /v1/completions with the SSE events of `responses[n]` (the last
+    one for any after), each its own write (its own chunk of the chunked body); at HOLD it keeps the response open
+    (an SSE comment every 10 ms) until the client leaves. With `end_at`, the body ends there (cleanly: its last
+    chunk is sent) after that many bytes, in whatever event that is. (runner, URL, the request bodies)."""
+    from aiohttp import web
+
+    bodies: list[dict] = []
+
+    async def completions(http_request: web.Request) -> web.StreamResponse:
+        bodies.append(await http_request.json())
+        events = responses[min(len(bodies), len(responses)) - 1]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(http_request)
+        pos, end = 0, end_at
+        for event in events:
+            if event is HOLD:
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(3000):  # 30 s at most
+                        await asyncio.sleep(0.01)
+                        await resp.write(b": generating\n\n")
+                return resp
+            part = event if end is None else event[: max(0, end - pos)]
+            pos += len(event)
+            if part:
+                await resp.write(part)
+        return resp
+
+    runner, url = await completions_server(completions)
+    return runner, url, bodies
+
+
+def stream_backend(url: str, fmt: str) -> OpenAICompletionsBackend:
+    """A backend reading the stream format `fmt`: token ids (dialect vllm, no probe) or text (dialect openai: the
+    transformers dialect's text parsing, with prompt ids, so no tokenizer)."""
+    if fmt == "vllm":
+        return OpenAICompletionsBackend(url, model="m", dialect="vllm", constrain_audio=False)
+    return OpenAICompletionsBackend(url, model="m", dialect="openai")
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def read_all(stream: Any, limit_s: float = 30.0) -> tuple[list[int], BackendError | None]:
+    """Every id the stream delivers, in order, and the BackendError that ended it (None: it ended normally)."""
+    got: list[int] = []
+
+    async def run() -> BackendError | None:
+        try:
+            async for ids in stream:
+                got.extend(ids)
+        except BackendError as exc:
+            return exc
+        return None
+
+    return got, await asyncio.wait_for(run(), limit_s)
+
+
+NETWORKS = {"direct": None, "byte by byte": {"chunk": 1}, "first byte late": {"first_byte_delay_s": 0.5}}
+
+
+@pytest.mark.parametrize("network", list(NETWORKS))
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_every_id_arrives_once_and_in_order_however_the_network_delivers_the_stream(
+    fmt: str, network: str
+) -> None:
+    """A known stream, in vLLM's format (token ids) and in `transformers serve`'s (text), straight from the server,
+    byte by byte through a relay (every SSE line and JSON cut wherever a read ends), and through a relay that holds
+    back the server's first byte: every id once, in order, then the server's finish reason."""
+    runner, url, _ = await sse_server(stream_body(fmt))
+    relay = TcpRelay(port_of(url), **NETWORKS[network]) if NETWORKS[network] else None
+    backend = stream_backend(relay.url if relay else url, fmt)
+    try:
+        if relay:
+            await relay.start()
+        await backend.start()
+        req = GenerationRequest("n", (7, 8, 9), SamplingParams(seed=5), 100, (SPEC.end_of_speech,))
+        stream = backend.generate(req)
+        got, error = await read_all(stream)
+        assert error is None and got == stream_ids(fmt)
+        assert stream.finish_reason == STREAMS[fmt][1]
+        stats = backend.stats()
+        assert stats["tokens"] == len(got) and stats["errors"] == 0 and stats["live_requests"] == 0
+        await stream.aclose()
+    finally:
+        await backend.close()
+        if relay:
+            await relay.close()
+        await runner.cleanup()
+
+
+# Where a stream is cut: in an event (the index of the event, where in it), and how. Where the relay cuts the
+# connection, aiohttp sees the chunked body incomplete (ClientPayloadError); where the server ends its body there,
+# readline returns the partial line (even a whole JSON, its line's end cut off). The relay cuts before a byte
+# string found once in the stream, so a cut just before a line's end is the server's case only.
+CUTS = {
+    "in the middle of an event": (2, "middle"),
+    "in the middle of the finish event": ("finish", "middle"),
+    "after the finish event's JSON, before its line's end": ("finish", "before newline"),
+}
+RELAY_CUTS, SERVER_ENDS = "the relay cuts the connection", "the server ends the body"
+CUT_CASES = [
+    (where, how)
+    for where, (_, at) in CUTS.items()
+    for how in (RELAY_CUTS, SERVER_ENDS)
+    if how == SERVER_ENDS or at != "before newline"
+]
+
+
+def cut_point(fmt: str, where: str) -> tuple[int, int, bytes]:
+    """(index of the event cut, offset of the cut in the body, the rest of that event from the cut on)."""
+    events = stream_body(fmt)
+    index, at = CUTS[where]
+    if index == "finish":
+        index = next(k for k, (event, _) in enumerate(STREAMS[fmt][0]) if b'"finish_reason":"' in event)
+    event = events[index]
+    offset = len(event) // 2 if at == "middle" else len(event) - 2
+    return index, len(b"".join(events[:index])) + offset, event[offset:]
+
+
+@pytest.mark.parametrize(("where", "how"), CUT_CASES)
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_stream_cut_in_the_middle_of_an_event_ends_with_a_backend_error(fmt: str, where: str, how: str) -> None:
+    """A stream cut inside an event, by the network (the relay, byte by byte, closes the connection there) or by
+    the server (its body ends there): the ids of the events before the cut, then BackendError; never a stream that
+    ends short as if it were complete, never an id of the cut event."""
+    index, offset, rest = cut_point(fmt, where)
+    relayed = how == RELAY_CUTS
+    runner, url, _ = await sse_server(stream_body(fmt), end_at=None if relayed else offset)
+    relay = TcpRelay(port_of(url), chunk=1, cut_before=rest) if relayed else None
+    backend = stream_backend(relay.url if relay else url, fmt)
+    try:
+        if relay:
+            await relay.start()
+        await backend.start()
+        stream = backend.generate(GenerationRequest("c", (7, 8, 9), SamplingParams(), 100, (SPEC.end_of_speech,)))
+        got, error = await read_all(stream)
+        assert isinstance(error, BackendError) and got == stream_ids(fmt, index), (error, got)
+        assert stream.finish_reason == FinishReason.ERROR
+        assert backend.stats()["errors"] == 1 and backend.stats()["live_requests"] == 0
+        assert relay is None or relay.cuts == 1
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+    finally:
+        await backend.close()
+        if relay:
+            await relay.close()
+        await runner.cleanup()
 
 
 async def test_vllm_token_id_stream_with_allowed_ids_where_the_server_lacks_the_processor() -> None:
@@ -428,14 +656,72 @@ def test_the_backend_is_chosen_by_its_name_or_its_old_one() -> None:
 
 
 def test_custom_token_text_becomes_ids_even_when_split_across_chunks() -> None:
+    """Custom tokens exactly, whatever chunk a name ends in; each run of other text between them one pad, out at
+    its first non-blank character; a blank run nothing; a partial name left at the end text of the last run."""
     p = CustomTokenText(BASE, SPEC.pad)
     assert p.feed("<custom_tok") == []  # a token split across chunks waits
     assert p.feed("en_5><custom_token_7>") == [BASE + 5, BASE + 7]
     assert p.feed("<custom_token_1> hi<custom_token_2>") == [BASE + 1, SPEC.pad, BASE + 2]
     assert p.feed("  \n") == []  # whitespace between tokens is not an id
-    assert p.feed("<notatoken>") == [SPEC.pad]
-    assert p.feed("<custom_token_12") == [] and p.flush() == [SPEC.pad]  # never completed
-    assert p.feed("<custom_token_x>") == [SPEC.pad]
+    assert p.feed(" h") == [SPEC.pad]  # a run's pad is out at its first non-blank character...
+    assert p.feed("ello wor") == [] and p.feed("ld<notatoken>") == []  # ... and the run, spaces and all, is one
+    assert p.feed("<custom_token_3><custom_token_x>") == [BASE + 3, SPEC.pad]
+    assert p.feed("<custom_token_4><custom_token_12") == [BASE + 4] and p.flush() == [SPEC.pad]  # never completed
+    q = CustomTokenText(BASE, SPEC.pad)
+    assert q.feed("text<custom_tok") == [SPEC.pad] and q.flush() == []  # the tail was more text of the same run
+
+
+# Pieces of streamed text: custom tokens, names cut anywhere, near misses, ordinary text and whitespace, the test
+# model's text tokens (`<|unused_filler_N|>`, what its random weights mostly generate), a special token's name.
+PIECES = (
+    "<custom_token_5>", "<custom_token_4107>", "<custom_token_", "<custom_tok", "en_9>", "12", "<", ">", "x", " ",
+    "\n", "hi there", "<|unused_filler_37033|>", "<|eot_id|>", "é", "<custom_token_x>",
+)  # fmt: skip
+
+
+def ids_of(fragments: list[str]) -> list[int]:
+    """What CustomTokenText makes of a stream whose text comes in these fragments (events), flushed at its end."""
+    p = CustomTokenText(BASE, SPEC.pad)
+    return [i for fragment in fragments for i in p.feed(fragment)] + p.flush()
+
+
+def ids_of_text(text: str) -> list[int]:
+    """The ids CustomTokenText's docstring defines, written another way, from the whole text: each custom token its
+    id, each piece of text between them one pad unless blank."""
+    parts = re.split(r"<custom_token_(\d+)>", text)  # text, N, text, N, ..., text
+    return [BASE + int(part) if i % 2 else SPEC.pad for i, part in enumerate(parts) if i % 2 or part.strip()]
+
+
+def cut(text: str, positions: list[int]) -> list[str]:
+    """`text` cut at these positions (sorted; a position twice gives an empty fragment, as servers send)."""
+    bounds = [0, *positions, len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def test_the_ids_of_streamed_text_do_not_depend_on_how_the_server_cuts_or_joins_it() -> None:
+    """The same text cut into fragments anywhere (joined whole, character by character, in two at every position,
+    at random positions, mid token name) gives the same ids: those of the whole text. Servers cut their text into
+    events as their timing goes (`transformers serve` joins the texts of several tokens into one event when its
+    writer falls behind), so ids that depended on the cuts would depend on the server's load."""
+    rng = random.Random(48)
+    # The test model's 3 text tokens of issue 48: 3 pads sent apart and 2 joined under load, before runs.
+    fillers = "<|unused_filler_37033|><|unused_filler_85634|><|unused_filler_78433|>"
+    texts = [
+        fillers,
+        "<custom_token_10><custom_token_4107> hello world<|x|><custom_token_8202>\n",
+        "<<custom_token_5><custom_token_12<custom_token_6>  <custom_token_7>x<custom_tok",
+        *("".join(rng.choices(PIECES, k=rng.randint(0, 12))) for _ in range(300)),
+    ]
+    assert ids_of_text(fillers) == [SPEC.pad]
+    for text in texts:
+        expected = ids_of_text(text)
+        assert ids_of([text]) == expected, text
+        assert ids_of(list(text)) == expected, text
+        for i in range(len(text) + 1):
+            assert ids_of(cut(text, [i])) == expected, (text, i)
+        for _ in range(20):
+            positions = sorted(rng.choices(range(len(text) + 1), k=rng.randint(1, len(text) + 1)))
+            assert ids_of(cut(text, positions)) == expected, (text, positions)
 
 
 async def pacing_server(period_s: float):
@@ -503,6 +789,32 @@ async def test_a_paused_stream_leaves_the_server_and_resumes_as_one_request(peri
         assert second["seed"] != first["seed"] == 5
         stats = backend.stats()
         assert stats["requests"] == 1 and stats["pauses"] == stats["resumes"] == 1 and stats["paused_requests"] == 0
+        await stream.aclose()
+    finally:
+        await backend.close()
+        await runner.cleanup()
+
+
+async def test_a_run_of_text_that_a_pause_cuts_goes_on_in_the_continuation_as_the_same_run() -> None:
+    """A text server's stream paused in a run of text (its pad delivered): the continuation's prompt is the first
+    prompt + the ids delivered (the run as its one pad), its budget the rest, and its text before its first custom
+    token is the same run, no second pad: the ids are those of the unpaused stream's text."""
+    first = [text_event(name(AUDIO[0])), text_event(" hel"), HOLD]
+    rest = [text_event("lo"), text_event(" world"), text_event(name(AUDIO[1])), text_event("", "length")]
+    runner, url, bodies = await sse_server(first, rest)
+    backend = stream_backend(url, "transformers")
+    try:
+        await backend.start()
+        stream = backend.generate(GenerationRequest("t", (7, 8, 9), SamplingParams(seed=5), 30, (SPEC.end_of_speech,)))
+        got = [*await stream.__anext__(), *await stream.__anext__()]
+        assert got == [AUDIO[0], SPEC.pad]
+        stream.pause(True)
+        stream.pause(False)
+        more, error = await read_all(stream)
+        # What the text `<a> hello world<b>` gives unpaused: one pad for " hello world", not one for each part.
+        assert error is None and got + more == [AUDIO[0], SPEC.pad, AUDIO[1]]
+        assert stream.finish_reason == FinishReason.LENGTH
+        assert bodies[1]["prompt"] == [7, 8, 9, AUDIO[0], SPEC.pad] and bodies[1]["max_tokens"] == 28
         await stream.aclose()
     finally:
         await backend.close()

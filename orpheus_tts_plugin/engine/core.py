@@ -10,10 +10,8 @@ if an engine thread dies anyway, the engine marks itself failed and every open a
 `EngineFailedError` at once. Nothing waits without bound: a request's first token must come within
 `queue_timeout_s`, else `EngineOverloadedError`.
 
-A stream's way through the folder: `core` (the caller's side: check, admit, read) → `admission` (a place, up to
-`max_streams`; pausing for a slow reader) → `generation` (engine loop: tokens → frames) → `decode_worker`
-(decoder thread: frames → audio, to the caller's loop). Beside it: `lifecycle` (start, health, failure, close),
-`voices` (cloned voices), `stats` (counters); `loading` and `device` make what it runs on.
+`OrpheusEngine` is what callers hold: `synthesize` and the caller's side of each stream live here; the roles it
+is made of live beside it (`lifecycle`, `voices`, `admission`, `generation`, `stats`).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ async def test_every_response_and_every_hello_names_its_replica(deployed: int) -
     remote = RemoteEngine(f"ws://127.0.0.1:{deployed}")
     try:
         await remote.start()
-        hello = remote._upstreams[0].conn.hello
+        hello = remote._pool.upstreams[0].conn.hello
         assert hello.replica in names and hello.streams_path == protocol.STREAMS_PATH
     finally:
         await remote.aclose()
@@ -514,7 +514,7 @@ async def test_a_replica_whose_engine_failed_reports_unhealthy_and_ray_replaces_
     remote = RemoteEngine(url)
     try:
         await remote.start()
-        old = remote._upstreams[0].conn.hello.replica
+        old = remote._pool.upstreams[0].conn.hello.replica
         with pytest.raises(EngineError, match="stepping thread died"):
             await heard(remote.synthesize(TEXT, seed=POISON))
         failed = time.monotonic()

@@ -204,7 +204,11 @@ class SpeechEngine(Protocol):
     """What the framework adapters use of an engine: `OrpheusEngine` in process, `RemoteEngine` over a socket."""
 
     config: Any  # .model and .backend name what it runs
-    spec: ModelSpec
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model family's token ids and voices (read-only: `RemoteEngine` learns it from its servers)."""
+        ...
 
     def synthesize(
         self,

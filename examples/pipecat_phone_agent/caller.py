@@ -27,6 +27,7 @@ import json
 import math
 import statistics
 import sys
+import urllib.parse
 import urllib.request
 import uuid
 import wave
@@ -278,19 +279,19 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 1)
 
 
-def _post(url: str) -> bytes:
-    """POST an (empty) form to `url`, as Twilio calls a voice webhook; the answer's body."""
-    request = urllib.request.Request(url, data=b"", method="POST")
+def _post(url: str, form: dict[str, str]) -> bytes:
+    """POST `form` to `url`, as Twilio calls a voice webhook; the answer's body."""
+    request = urllib.request.Request(url, data=urllib.parse.urlencode(form).encode(), method="POST")
     with urllib.request.urlopen(request, timeout=10) as response:
         return response.read()
 
 
-async def dial(url: str) -> str:
+async def dial(url: str, call_sid: str) -> str:
     """The call's media stream URL: `url` itself if it is one (ws://), else the <Stream> of the TwiML that the voice
     webhook at `url` (http://) answers; CallRefused if it answers <Reject>."""
     if not url.startswith(("http://", "https://")):
         return url
-    answer = ElementTree.fromstring(await asyncio.to_thread(_post, url))
+    answer = ElementTree.fromstring(await asyncio.to_thread(_post, url, {"CallSid": call_sid}))
     if (reject := answer.find("Reject")) is not None:
         raise CallRefused("twiml", reject.get("reason", "rejected"), asyncio.get_running_loop().time())
     return answer.find("Connect/Stream").get("url")
@@ -300,9 +301,9 @@ async def place_call(url: str, script: CallScript, wav_path: Path) -> dict[str, 
     """One scripted call, dialed at `url` (the TwiML webhook or the media stream: `dial`); returns its report, with
     `refused` (by what, why, ms from dialing) if the agent turned it away, `error` if it failed to react in time."""
     report: dict[str, Any] = {"wav": None, "turns": [], "barge_in": None, "error": None, "refused": None}
-    dialed = asyncio.get_running_loop().time()
+    dialed, call_sid = asyncio.get_running_loop().time(), "CA" + uuid.uuid4().hex
     try:
-        line = await _talk(await dial(url), script, report)
+        line = await _talk(await dial(url, call_sid), call_sid, script, report)
     except CallRefused as refusal:
         report["refused"] = {"by": refusal.by, "reason": refusal.reason, "ms": _ms(refusal.at - dialed)}
         return report
@@ -313,10 +314,10 @@ async def place_call(url: str, script: CallScript, wav_path: Path) -> dict[str, 
     return report
 
 
-async def _talk(stream_url: str, script: CallScript, report: dict[str, Any]) -> Line:
+async def _talk(stream_url: str, call_sid: str, script: CallScript, report: dict[str, Any]) -> Line:
     """The script on the call's media stream, hung up at its end or at a failure (noted in `report`)."""
     async with websockets.connect(stream_url, max_size=None) as ws:
-        line = Line(ws)
+        line = Line(ws, call_sid=call_sid)
         report["stream_sid"] = line.stream_sid
         try:
             await _converse(line, script, report)

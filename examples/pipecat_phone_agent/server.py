@@ -7,8 +7,9 @@ stream the TwiML connects), `GET /stats` (calls, capacity, load and engine count
 `GET /calls/{stream_sid}/moments` (when each latency stage of the call's turns happened).
 
 The server carries `--max-calls` calls at once (admission.py); one more is refused at once: the TwiML answer is
-`<Reject reason="busy"/>`, and a media stream that starts while the agent is full (it raced another call past the
-TwiML answer) is closed with code 1013, before any pipeline is built or engine stream opened.
+`<Reject reason="busy"/>` (a call told to connect holds its place, by CallSid, until its media stream starts), and a
+media stream that starts while the agent is full (no place held for it) is closed with code 1013, before any pipeline
+is built or engine stream opened.
 
 Before it listens, the server checks every configured stage (checks.py) and loads the engine and the
 recognizer; if any cannot run it exits with status 2 and one line naming the stage and the fix.
@@ -21,6 +22,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs
 from xml.sax.saxutils import quoteattr
 
 import uvicorn
@@ -54,6 +56,12 @@ def twiml_reject() -> str:
     return '<?xml version="1.0" encoding="UTF-8"?><Response><Reject reason="busy"/></Response>'
 
 
+async def call_sid_of(request: Request) -> str:
+    """The CallSid of Twilio's webhook request (the form it POSTs, or the query of a GET); "" if it has none."""
+    form = parse_qs((await request.body()).decode(errors="replace"))
+    return form.get("CallSid", [request.query_params.get("CallSid", "")])[0]
+
+
 def create_app(resources: AgentResources) -> FastAPI:
     """The FastAPI app on started resources (engine, recognizer), which it closes when the server shuts down.
 
@@ -75,8 +83,7 @@ def create_app(resources: AgentResources) -> FastAPI:
 
     @app.api_route("/twiml", methods=["GET", "POST"])
     async def answer(request: Request) -> Response:
-        if admission.full:
-            admission.refuse()
+        if not admission.hold(await call_sid_of(request)):
             return Response(twiml_reject(), media_type="application/xml")
         url = config.public_url or f"wss://{request.headers['host']}/ws"
         return Response(twiml(url), media_type="application/xml")
@@ -85,7 +92,7 @@ def create_app(resources: AgentResources) -> FastAPI:
     async def media_stream(websocket: WebSocket) -> None:
         await websocket.accept()
         call = await read_twilio_start(websocket)
-        if not admission.try_admit():
+        if not admission.try_admit(call.call_sid):
             logger.info(f"call {call.call_sid} refused: {admission.active} calls, capacity {admission.capacity}")
             await websocket.close(code=BUSY_CLOSE_CODE, reason=BUSY_REASON)
             return

@@ -25,7 +25,7 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from examples.pipecat_phone_agent import mulaw  # noqa: E402
-from examples.pipecat_phone_agent.admission import BUSY_CLOSE_CODE, BUSY_REASON, Admission  # noqa: E402
+from examples.pipecat_phone_agent.admission import BUSY_CLOSE_CODE, BUSY_REASON, HOLD_S, Admission  # noqa: E402
 from examples.pipecat_phone_agent.caller import CallScript, Line  # noqa: E402
 from examples.pipecat_phone_agent.config import AgentConfig  # noqa: E402
 from examples.pipecat_phone_agent.demo import get_json, pinned_cpus, run_demo, tts_server  # noqa: E402
@@ -210,24 +210,35 @@ class _NoCallResources:
 
 def test_the_agent_admits_calls_up_to_its_capacity_and_counts_the_rest_refused() -> None:
     admission = Admission(capacity=2)
-    assert [admission.try_admit() for _ in range(4)] == [True, True, False, False]
+    assert [admission.try_admit(f"CA{i}") for i in range(4)] == [True, True, False, False]
     assert (admission.active, admission.total, admission.refused, admission.load) == (2, 2, 2, 1.0)
     admission.release()
-    assert admission.stats() == {"active": 1, "total": 2, "capacity": 2, "refused": 2, "load": 0.5}
-    assert admission.try_admit() and admission.full
+    assert admission.stats() == {"active": 1, "held": 0, "total": 2, "capacity": 2, "refused": 2, "load": 0.5}
+    assert admission.try_admit("CA4") and admission.full
+
+
+def test_a_call_told_to_connect_holds_its_place_until_its_stream_starts_or_the_hold_expires() -> None:
+    now = [0.0]
+    admission = Admission(capacity=2, clock=lambda: now[0])
+    assert admission.hold("CA1") and admission.hold("CA2")
+    assert not admission.hold("CA3") and not admission.try_admit("CA4")  # both places held: refused
+    assert admission.try_admit("CA1") and admission.stats()["held"] == 1  # its held place, however full
+    now[0] = HOLD_S  # CA2's stream never came
+    assert admission.try_admit("CA5")
+    assert admission.stats() == {"active": 2, "held": 0, "total": 2, "capacity": 2, "refused": 2, "load": 1.0}
 
 
 def test_a_full_agent_answers_the_twiml_webhook_with_a_busy_reject() -> None:
     app = create_app(_NoCallResources(max_calls=1))  # type: ignore[arg-type]
     with TestClient(app) as client:
-        connect = client.post("/twiml")
-        app.state.admission.try_admit()  # one call in progress: the agent is full
-        reject = client.post("/twiml")
+        connect = client.post("/twiml", data={"CallSid": "CA1"})  # its place is held until its stream starts
+        reject = client.post("/twiml", data={"CallSid": "CA2"})
         stats = client.get("/stats").json()["calls"]
     assert '<Connect><Stream url="ws://agent.test/ws" /></Connect>' in connect.text
     assert reject.headers["content-type"].startswith("application/xml")
     assert reject.text.endswith('<Response><Reject reason="busy"/></Response>')
-    assert stats == {"active": 1, "total": 1, "capacity": 1, "refused": 1, "load": 1.0}
+    assert app.state.admission.held.keys() == {"CA1"}
+    assert stats == {"active": 0, "held": 1, "total": 0, "capacity": 1, "refused": 1, "load": 1.0}
 
 
 def test_a_media_stream_that_starts_while_the_agent_is_full_is_closed_as_busy_with_no_pipeline_built() -> None:
@@ -235,7 +246,7 @@ def test_a_media_stream_that_starts_while_the_agent_is_full_is_closed_as_busy_wi
     app = create_app(resources)  # type: ignore[arg-type]
     start = {"event": "start", "start": {"streamSid": "MZ1", "callSid": "CA1"}, "streamSid": "MZ1"}
     with TestClient(app) as client:
-        app.state.admission.try_admit()  # another call took the last place after this one's TwiML answer
+        app.state.admission.try_admit("CA0")  # a call that took the last place; none is held for CA1
         with client.websocket_connect("/ws") as ws:
             ws.send_text(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
             ws.send_text(json.dumps(start))
@@ -244,7 +255,7 @@ def test_a_media_stream_that_starts_while_the_agent_is_full_is_closed_as_busy_wi
         stats = client.get("/stats").json()["calls"]
     assert (closed.value.code, closed.value.reason) == (BUSY_CLOSE_CODE, BUSY_REASON)
     assert resources.built == []
-    assert stats == {"active": 1, "total": 1, "capacity": 1, "refused": 1, "load": 1.0}
+    assert stats == {"active": 1, "held": 0, "total": 1, "capacity": 1, "refused": 1, "load": 1.0}
 
 
 @needs_espeak
@@ -282,7 +293,7 @@ def test_offered_twice_its_capacity_the_agent_refuses_the_extra_callers_within_a
     )
     assert (len(admitted), report["admitted"], len(refused)) == (2, 2, 2)
     assert all(r["reason"] in ("busy", BUSY_REASON) and r["ms"] <= 1000 for r in refused), refused
-    assert report["server"]["calls"] == {"active": 0, "total": 2, "capacity": 2, "refused": 2, "load": 0.0}
+    assert report["server"]["calls"] == {"active": 0, "held": 0, "total": 2, "capacity": 2, "refused": 2, "load": 0.0}
     for call in admitted:
         assert call["error"] is None, call
         assert all(t["speech_end_to_agent_audio_ms"] is not None for t in call["turns"]), call["timeline_ms"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -67,7 +68,14 @@ def turn_stop_strategy(turns: TurnTaking) -> BaseUserTurnStopStrategy:
     return SpeakAheadUserTurnStopStrategy(confirm) if turns.speak_ahead else confirm
 
 
-def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResources) -> PipelineWorker:
+def make_vad(turns: TurnTaking) -> SileroVADAnalyzer:
+    """The call's Silero VAD; it loads its model (ONNX) as it is made."""
+    return SileroVADAnalyzer(params=VADParams(start_secs=turns.vad_start_secs, stop_secs=turns.vad_stop_secs))
+
+
+def build_worker(
+    websocket: WebSocket, call: TwilioCall, resources: AgentResources, vad: SileroVADAnalyzer
+) -> PipelineWorker:
     """The call's pipeline, with a greeting on connect, a cancel on hang-up, and an apology and an end if a stage
     fails (failures.py)."""
     serializer = TwilioFrameSerializer(
@@ -80,7 +88,6 @@ def build_worker(websocket: WebSocket, call: TwilioCall, resources: AgentResourc
         FastAPIWebsocketParams(audio_in_enabled=True, audio_out_enabled=True, serializer=serializer),
     )
     turns = resources.config.turns
-    vad = SileroVADAnalyzer(params=VADParams(start_secs=turns.vad_start_secs, stop_secs=turns.vad_stop_secs))
     stop = turn_stop_strategy(turns)
     mute = MuteWhileEnding()
     aggregators = LLMContextAggregatorPair(
@@ -129,6 +136,9 @@ async def run_call(websocket: WebSocket, call: TwilioCall, resources: AgentResou
     """Serve one call until the caller hangs up."""
     logger.info(f"call {call.call_sid} (stream {call.stream_sid}) started")
     runner = WorkerRunner(handle_sigint=False)
-    await runner.add_workers(build_worker(websocket, call, resources))
+    # Off the server's loop: the model's load took 0.1-4 s on 2 loaded cores, and every call's audio and every
+    # TwiML answer (a refusal too) waited behind it.
+    vad = await asyncio.to_thread(make_vad, resources.config.turns)
+    await runner.add_workers(build_worker(websocket, call, resources, vad))
     await runner.run()
     logger.info(f"call {call.call_sid} ended")

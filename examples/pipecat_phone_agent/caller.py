@@ -10,6 +10,10 @@ records both sides to a stereo WAV (left: caller, right: agent as heard), and me
   and how much agent audio arrived after the `clear` before the caller finished (should be none);
 - gaps: silences over 100 ms inside the agent's replies, where its playout buffer ran dry.
 
+It dials as Twilio does: given the agent's voice webhook (http://…/twiml) it POSTs to it and streams to the TwiML's
+<Stream> URL (or straight to a ws://…/ws URL). A full agent refuses the call with <Reject>, or closes the media stream
+at its start with code 1013; the caller records which, and the time from dialing until it knew.
+
     python -m examples.pipecat_phone_agent.caller ws://127.0.0.1:8765/ws --calls 4 --out out/calls
 """
 
@@ -20,8 +24,11 @@ import asyncio
 import base64
 import contextlib
 import json
+import math
 import statistics
 import sys
+import urllib.parse
+import urllib.request
 import uuid
 import wave
 from collections import deque
@@ -29,14 +36,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import numpy as np
 import websockets
 
 from . import mulaw
+from .admission import BUSY_CLOSE_CODE
 
 PACKET_S = mulaw.PACKET_BYTES / mulaw.RATE
 GAP_S = 0.1  # a silence inside a reply longer than this is a gap in the agent's audio
+
+
+class CallRefused(Exception):
+    """The agent turned the call away: its TwiML answer was <Reject>, or it closed the media stream as busy."""
+
+    def __init__(self, by: str, reason: str, at: float):
+        super().__init__(f"refused at the {by}: {reason}")
+        self.by = by  # "twiml" | "stream"
+        self.reason = reason
+        self.at = at  # when the caller knew (event loop time)
 
 
 @dataclass(frozen=True)
@@ -73,6 +92,7 @@ class Line:
     clears: list[float] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)  # (time, what) of the caller's actions
     play_until: float = 0.0
+    closed_at: float | None = None  # when the media stream closed (either side)
     _sequence: int = 0
     _queue: deque[_Utterance] = field(default_factory=deque)
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -143,12 +163,15 @@ class Line:
             utterance.done.set_result((utterance.start, utterance.start + utterance.voiced_s))
 
     async def _listen(self) -> None:
-        async for raw in self.ws:
-            message, now = json.loads(raw), self.now()
-            if message.get("event") == "media":
-                self._play(now, base64.b64decode(message["media"]["payload"]))
-            elif message.get("event") == "clear":
-                self._clear(now)
+        try:
+            async for raw in self.ws:
+                message, now = json.loads(raw), self.now()
+                if message.get("event") == "media":
+                    self._play(now, base64.b64decode(message["media"]["payload"]))
+                elif message.get("event") == "clear":
+                    self._clear(now)
+        finally:
+            self.closed_at = self.now()
 
     # ------------------------------------------------------------ playout (Twilio's buffer)
     def _play(self, now: float, payload: bytes) -> None:
@@ -187,6 +210,15 @@ class Line:
                 raise TimeoutError(f"no {what} within {timeout:.0f} s")
             await asyncio.sleep(0.005)
         return result
+
+    async def greeting(self, timeout: float) -> float:
+        """Arrival time of the agent's first audio; CallRefused if the agent closes the stream as busy before it."""
+        await self.wait(lambda: self.media or self.closed_at is not None, timeout, "agent audio")
+        if self.media:
+            return self.media[0][0]
+        if self.ws.close_code == BUSY_CLOSE_CODE:
+            raise CallRefused("stream", self.ws.close_reason, self.closed_at)
+        raise ConnectionError(f"the agent closed the media stream ({self.ws.close_code} {self.ws.close_reason!r})")
 
     def agent_hung_up(self) -> bool:
         """Whether the agent has closed the media stream (ended the call) since `open`."""
@@ -247,11 +279,45 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 1)
 
 
+def _post(url: str, form: dict[str, str]) -> bytes:
+    """POST `form` to `url`, as Twilio calls a voice webhook; the answer's body."""
+    request = urllib.request.Request(url, data=urllib.parse.urlencode(form).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.read()
+
+
+async def dial(url: str, call_sid: str) -> str:
+    """The call's media stream URL: `url` itself if it is one (ws://), else the <Stream> of the TwiML that the voice
+    webhook at `url` (http://) answers; CallRefused if it answers <Reject>."""
+    if not url.startswith(("http://", "https://")):
+        return url
+    answer = ElementTree.fromstring(await asyncio.to_thread(_post, url, {"CallSid": call_sid}))
+    if (reject := answer.find("Reject")) is not None:
+        raise CallRefused("twiml", reject.get("reason", "rejected"), asyncio.get_running_loop().time())
+    return answer.find("Connect/Stream").get("url")
+
+
 async def place_call(url: str, script: CallScript, wav_path: Path) -> dict[str, Any]:
-    """One scripted call; returns its report (with `error` set if the agent failed to react in time)."""
-    report: dict[str, Any] = {"wav": str(wav_path), "turns": [], "barge_in": None, "error": None}
-    async with websockets.connect(url, max_size=None) as ws:
-        line = Line(ws)
+    """One scripted call, dialed at `url` (the TwiML webhook or the media stream: `dial`); returns its report, with
+    `refused` (by what, why, ms from dialing) if the agent turned it away, `error` if it failed to react in time."""
+    report: dict[str, Any] = {"wav": None, "turns": [], "barge_in": None, "error": None, "refused": None}
+    dialed, call_sid = asyncio.get_running_loop().time(), "CA" + uuid.uuid4().hex
+    try:
+        line = await _talk(await dial(url, call_sid), call_sid, script, report)
+    except CallRefused as refusal:
+        report["refused"] = {"by": refusal.by, "reason": refusal.reason, "ms": _ms(refusal.at - dialed)}
+        return report
+    line.write_wav(wav_path)
+    report["wav"] = str(wav_path)
+    report["agent_audio_received_s"] = round(line.audio_seconds(line.t0, float("inf")), 3)
+    report["timeline_ms"] = line.timeline()
+    return report
+
+
+async def _talk(stream_url: str, call_sid: str, script: CallScript, report: dict[str, Any]) -> Line:
+    """The script on the call's media stream, hung up at its end or at a failure (noted in `report`)."""
+    async with websockets.connect(stream_url, max_size=None) as ws:
+        line = Line(ws, call_sid=call_sid)
         report["stream_sid"] = line.stream_sid
         try:
             await _converse(line, script, report)
@@ -259,15 +325,12 @@ async def place_call(url: str, script: CallScript, wav_path: Path) -> dict[str, 
             report["error"] = str(exc)
         finally:
             await line.hang_up()
-    line.write_wav(wav_path)
-    report["agent_audio_received_s"] = round(line.audio_seconds(line.t0, float("inf")), 3)
-    report["timeline_ms"] = line.timeline()
-    return report
+    return line
 
 
 async def _converse(line: Line, script: CallScript, report: dict[str, Any]) -> None:
     await line.open()
-    greeting = await line.first_audio_after(line.t0, script.timeout_s)
+    greeting = await line.greeting(script.timeout_s)
     report["greeting_ms"] = _ms(greeting - line.t0)
     await line.agent_idle(script.idle_s, script.timeout_s)
 
@@ -313,30 +376,45 @@ async def run_calls(url: str, script: CallScript, out_dir: Path, calls: int = 4,
 
     results = await asyncio.gather(*(one(i) for i in range(calls)))
     gaps = sum(len(c.get("agent_audio_gaps_ms", [])) for c in results)
-    return {"calls": results, "summary": summarize(results), "agent_audio_gaps_over_100ms": gaps}
+    refused = [c["refused"]["by"] for c in results if c["refused"]]
+    return {
+        "calls": results,
+        "summary": summarize(results),
+        "agent_audio_gaps_over_100ms": gaps,
+        "admitted": len(results) - len(refused),
+        "refused": {"twiml": refused.count("twiml"), "stream": refused.count("stream")},
+    }
 
 
 def summarize(calls: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """min / median / max of every latency across calls."""
+    """min / median / p95 / max of every latency across calls, and of the refused calls' time to refusal."""
     series: dict[str, list[float]] = {
         "greeting_ms": [c.get("greeting_ms") for c in calls],
         "speech_end_to_agent_audio_ms": [t["speech_end_to_agent_audio_ms"] for c in calls for t in c["turns"]],
     }
     for key in ("to_clear_ms", "to_last_agent_audio_ms", "agent_audio_after_clear_ms"):
         series[f"barge_in_{key}"] = [(c["barge_in"] or {}).get(key) for c in calls]
-    out = {}
-    for key, values in series.items():
-        values = [v for v in values if v is not None]
-        if values:
-            out[key] = {"n": len(values), "min": min(values), "median": statistics.median(values), "max": max(values)}
-    return out
+    series["dial_to_refusal_ms"] = [c["refused"]["ms"] for c in calls if c.get("refused")]
+    return {key: _spread(values) for key, values in series.items() if any(v is not None for v in values)}
+
+
+def _spread(values: list[float | None]) -> dict[str, float]:
+    """n, min, median, p95 (nearest rank) and max of the values that are not None."""
+    ordered = sorted(v for v in values if v is not None)
+    p95 = ordered[math.ceil(0.95 * len(ordered)) - 1]
+    return {"n": len(ordered), "min": ordered[0], "median": statistics.median(ordered), "p95": p95, "max": ordered[-1]}
 
 
 def print_summary(report: dict[str, Any]) -> None:
-    print(f"{'latency (ms)':<40}{'n':>4}{'min':>9}{'median':>9}{'max':>9}")
+    print(f"{'latency (ms)':<40}{'n':>4}{'min':>9}{'median':>9}{'p95':>9}{'max':>9}")
     for key, s in report["summary"].items():
-        print(f"{key:<40}{s['n']:>4}{s['min']:>9.0f}{s['median']:>9.0f}{s['max']:>9.0f}")
-    print(f"agent audio gaps over {GAP_S * 1000:.0f} ms (all calls): {report['agent_audio_gaps_over_100ms']}")
+        print(f"{key:<40}{s['n']:>4}{s['min']:>9.0f}{s['median']:>9.0f}{s['p95']:>9.0f}{s['max']:>9.0f}")
+    refused = report["refused"]
+    print(
+        f"calls: {report['admitted']} admitted, {sum(refused.values())} refused as busy ({refused['twiml']} by the "
+        f"TwiML answer, {refused['stream']} at the media stream's start)"
+    )
+    print(f"agent audio gaps over {GAP_S * 1000:.0f} ms (admitted calls): {report['agent_audio_gaps_over_100ms']}")
     for call in report["calls"]:
         if call["error"]:
             print(f"call {call['call']}: {call['error']}")
@@ -346,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     from .make_fixtures import load_fixtures
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("url", help="the agent's media stream WebSocket, e.g. ws://127.0.0.1:8765/ws")
+    parser.add_argument(
+        "url", help="the agent's TwiML webhook (http://127.0.0.1:8765/twiml) or media stream (ws://127.0.0.1:8765/ws)"
+    )
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--fixtures", default="out/phone-agent/fixtures", help="made by make_fixtures if missing")
     parser.add_argument("--out", default="out/phone-agent/calls")

@@ -15,6 +15,12 @@ SYSTEM_PROMPT = (
     "You are a friendly receptionist answering the phone. Your replies are spoken aloud, so answer in one "
     "to three short sentences of plain text, with no lists, markdown or emoji."
 )
+# Calls one agent process carries at once (--max-calls): the knee the demo measured on 2 shared cores (issue 49; the
+# agent pinned to one CPU, `orpheus-tts serve` with the CPU test model on the other): 4 calls stayed real time, 6 did
+# not (median voice-to-voice 3.4 s, 5 callers cut). A plain number, not one per CPU: a process's calls share its one
+# interpreter lock, so a host with more CPUs runs more agent processes (each with its own --max-calls), not more calls
+# in one. Measure the knee again for other hosts, stages or engines (the demo with --calls N and --max-calls N).
+DEFAULT_MAX_CALLS = 4
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class AgentConfig:
 
     host: str = "127.0.0.1"
     port: int = 8765
+    max_calls: int = DEFAULT_MAX_CALLS  # calls carried at once; one more is refused as busy (admission.py)
     public_url: str | None = None  # wss://…/ws that Twilio should connect to; default: from the request's Host
     stt: str = "pocketsphinx"  # pocketsphinx (offline) | whisper (faster-whisper, one model a process)
     stt_workers: int = 2  # pocketsphinx decoder processes
@@ -71,12 +78,24 @@ def shared_engine(config: AgentConfig) -> SpeechEngine:
     return OrpheusEngine.shared(config.engine)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = AgentConfig()
     e = d.engine
     p = argparse.ArgumentParser(description="Pipecat phone agent (Twilio Media Streams) speaking with Orpheus TTS")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
+    p.add_argument(
+        "--max-calls", type=positive_int, default=d.max_calls, metavar="N",
+        help="calls carried at once; one more is refused as busy (TwiML <Reject>, or its media stream closed)",
+    )  # fmt: skip
     p.add_argument("--public-url", default=d.public_url, help="wss:// URL of /ws for the TwiML answer")
     p.add_argument("--stt", choices=("pocketsphinx", "whisper"), default=d.stt)
     p.add_argument("--stt-workers", type=int, default=d.stt_workers, help="pocketsphinx decoder processes")
@@ -150,6 +169,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     return AgentConfig(
         host=a.host,
         port=a.port,
+        max_calls=a.max_calls,
         public_url=a.public_url,
         stt=a.stt,
         stt_workers=a.stt_workers,

@@ -1,12 +1,13 @@
 """The phone agent end to end on one machine, offline: server + simulated Twilio callers, then a report.
 
-    python -m examples.pipecat_phone_agent.demo [--calls 4] [--out out/phone-agent] [--tts serve|inprocess|both]
-        [--no-pin]
+    python -m examples.pipecat_phone_agent.demo [--calls 4] [--max-calls N] [--out out/phone-agent]
+        [--tts serve|inprocess|both] [--no-pin]
 
 Makes what it needs if missing (the random-weight test model from `orpheus-tts make-test-model`, the
 caller's speech from espeak-ng), starts the server (pocketsphinx STT, the offline responder, Orpheus
-on the test model, one engine for all calls), places the calls at once over real WebSockets, and
-writes a stereo WAV per call plus a JSON report of the latencies the callers measured, each turn's
+on the test model, one engine for all calls), places the calls at once over real WebSockets (each dialed
+through the agent's TwiML webhook, which refuses the calls past its `--max-calls` as busy), and writes a
+stereo WAV per admitted call plus a JSON report of the latencies the callers measured, each turn's
 latency waterfall (`stages_ms`) and a chart of it, and the gaps in the agent's audio. By default the agent
 speaks through a local `orpheus-tts serve` process (RemoteEngine), one engine process for the machine: on a
 CPU host the engine's steps are many small torch ops, each taking the GIL, and in the agent's own process
@@ -105,9 +106,11 @@ def running(cmd: list[str], ready_url: str, log_path: Path, start_timeout: float
 
 @contextlib.contextmanager
 def agent_server(server_args: list[str], log_path: Path, start_timeout: float = 300.0) -> Iterator[str]:
-    """Run the phone agent server on a free loopback port until the block ends; yields its http:// base URL."""
+    """Run the phone agent server on a free loopback port until the block ends; yields its http:// base URL (its
+    TwiML answers with its ws:// media stream URL)."""
     port = free_port()
     cmd = [sys.executable, "-m", "examples.pipecat_phone_agent.server", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--public-url", f"ws://127.0.0.1:{port}/ws"]
     base = f"http://127.0.0.1:{port}"
     with running([*cmd, *server_args], f"{base}/stats", log_path, start_timeout):  # once engine and STT loaded
         yield base
@@ -142,21 +145,25 @@ def pinned_cpus() -> tuple[list[str], list[str]]:
 
 
 def run_demo(
-    out: Path, server_args: list[str], calls: int = 4, script: CallScript | None = None, name: str = ""
+    out: Path,
+    server_args: list[str],
+    calls: int = 4,
+    script: CallScript | None = None,
+    name: str = "",
+    stagger_s: float = 0.25,
 ) -> dict[str, Any]:
-    """Start the server, place `calls` simulated calls at once, return (and write) the report.
+    """Start the server, place `calls` simulated calls (dialed `stagger_s` apart), return (and write) the report.
 
     `name` suffixes what the run writes (report{name}.json, calls{name}/, waterfall{name}.png, server{name}.log).
     """
     lines = load_fixtures(out / "fixtures")
     script = script or CallScript(question=lines["question"], barge_in=lines["barge_in"])
     with agent_server(server_args, out / f"server{name}.log") as base:
-        ws_url = base.replace("http://", "ws://") + "/ws"
         stolen = cpu_steal_s()
-        report = asyncio.run(run_calls(ws_url, script, out / f"calls{name}", calls=calls))
+        report = asyncio.run(run_calls(f"{base}/twiml", script, out / f"calls{name}", calls, stagger_s))
         report["host_cpu_steal_s"] = None if stolen is None else round(cpu_steal_s() - stolen, 2)
         report["server"] = settled_stats(base)
-        sids = [c["stream_sid"] for c in report["calls"]]
+        sids = [c["stream_sid"] for c in report["calls"] if "stream_sid" in c]  # a <Reject>ed call has none
         add_stages(report, {sid: get_json(f"{base}/calls/{sid}/moments") for sid in sids})
     report["stage_medians_ms"] = medians(report)
     report["split_turns"] = split_turns(report)
@@ -182,6 +189,13 @@ def demo(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/phone-agent", help="where the model, fixtures, WAVs and report go")
     parser.add_argument("--calls", type=int, default=4, help="simulated calls placed at once")
+    parser.add_argument(
+        "--max-calls",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the agent's capacity (its --max-calls; default: the agent's own); calls past it are refused as busy",
+    )
     parser.add_argument("--snac", choices=("tiny", "full"), default="tiny", help="test model's SNAC size")
     parser.add_argument("--max-tokens", type=int, default=300, help="audio tokens per sentence (~3.6 s)")
     parser.add_argument(
@@ -220,6 +234,7 @@ def demo(argv: list[str] | None) -> int:
         *("--stt", "pocketsphinx", "--llm", "offline", "--max-tokens", str(args.max_tokens)),
         *agent_cpus,
         *([] if args.first_phrase_words is None else ["--first-phrase-words", str(args.first_phrase_words)]),
+        *([] if args.max_calls is None else ["--max-calls", str(args.max_calls)]),
         *args.server_arg,
     ]
     runs: dict[str, dict[str, Any]] = {}
@@ -244,9 +259,10 @@ def demo(argv: list[str] | None) -> int:
             f"{spec['confirmed']} confirmed, {spec['discarded']} discarded (per call: {per_call}); engine work "
             f"discarded: {engine.get('speculative_discarded_audio_s', 0):.2f} s of audio"
         )
-        engine = report["server"]["engine"]
+        engine, calls = report["server"]["engine"], report["server"]["calls"]
         print(
-            f"engine: {report['server']['calls']['total']} calls, {engine.get('streams_started', 0)} streams, "
+            f"agent: capacity {calls['capacity']} calls, {calls['refused']} refused; "
+            f"engine: {calls['total']} calls, {engine.get('streams_started', 0)} streams, "
             f"{engine.get('streams_cancelled', 0)} cancelled (barge-in or hang-up), "
             f"{engine['active_streams']} still active"
         )

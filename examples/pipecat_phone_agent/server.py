@@ -3,8 +3,13 @@
     python -m examples.pipecat_phone_agent.server --help
 
 Endpoints: `GET|POST /twiml` (point the Twilio number's voice webhook here), `WS /ws` (the media
-stream the TwiML connects), `GET /stats` (calls and engine counters, e.g. for load balancing),
+stream the TwiML connects), `GET /stats` (calls, capacity, load and engine counters, e.g. for load balancing),
 `GET /calls/{stream_sid}/moments` (when each latency stage of the call's turns happened).
+
+The server carries `--max-calls` calls at once (admission.py); one more is refused at once: the TwiML answer is
+`<Reject reason="busy"/>` (a call told to connect holds its place, by CallSid, until its media stream starts), and a
+media stream that starts while the agent is full (no place held for it) is closed with code 1013, before any pipeline
+is built or engine stream opened.
 
 Before it listens, the server checks every configured stage (checks.py) and loads the engine and the
 recognizer; if any cannot run it exits with status 2 and one line naming the stage and the fix.
@@ -17,14 +22,17 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs
 from xml.sax.saxutils import quoteattr
 
 import uvicorn
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
+from loguru import logger
 
 from orpheus_tts_plugin.runtime.affinity import pin_process
 
+from .admission import BUSY_CLOSE_CODE, BUSY_REASON, Admission
 from .checks import StageUnavailable, check_stages, start_tts
 from .config import AgentConfig, parse_args
 
@@ -43,12 +51,25 @@ def twiml(stream_url: str) -> str:
     )
 
 
+def twiml_reject() -> str:
+    """TwiML that turns the call away as busy: Twilio does not answer it, and the caller hears a busy signal."""
+    return '<?xml version="1.0" encoding="UTF-8"?><Response><Reject reason="busy"/></Response>'
+
+
+async def call_sid_of(request: Request) -> str:
+    """The CallSid of Twilio's webhook request (the form it POSTs, or the query of a GET); "" if it has none."""
+    form = parse_qs((await request.body()).decode(errors="replace"))
+    return form.get("CallSid", [request.query_params.get("CallSid", "")])[0]
+
+
 def create_app(resources: AgentResources) -> FastAPI:
-    """The FastAPI app on started resources (engine, recognizer), which it closes when the server shuts down."""
+    """The FastAPI app on started resources (engine, recognizer), which it closes when the server shuts down.
+
+    `app.state.admission` counts its calls against `config.max_calls`."""
     from .bot import read_twilio_start, run_call
 
     config = resources.config
-    calls = {"active": 0, "total": 0}
+    admission = Admission(config.max_calls)  # the server's event loop owns it (every endpoint runs there)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -58,9 +79,12 @@ def create_app(resources: AgentResources) -> FastAPI:
             await resources.close()
 
     app = FastAPI(lifespan=lifespan)
+    app.state.admission = admission
 
     @app.api_route("/twiml", methods=["GET", "POST"])
     async def answer(request: Request) -> Response:
+        if not admission.hold(await call_sid_of(request)):
+            return Response(twiml_reject(), media_type="application/xml")
         url = config.public_url or f"wss://{request.headers['host']}/ws"
         return Response(twiml(url), media_type="application/xml")
 
@@ -68,16 +92,18 @@ def create_app(resources: AgentResources) -> FastAPI:
     async def media_stream(websocket: WebSocket) -> None:
         await websocket.accept()
         call = await read_twilio_start(websocket)
-        calls["active"] += 1
-        calls["total"] += 1
+        if not admission.try_admit(call.call_sid):
+            logger.info(f"call {call.call_sid} refused: {admission.active} calls, capacity {admission.capacity}")
+            await websocket.close(code=BUSY_CLOSE_CODE, reason=BUSY_REASON)
+            return
         try:
             await run_call(websocket, call, resources)
         finally:
-            calls["active"] -= 1
+            admission.release()
 
     @app.get("/stats")
     async def stats() -> dict:
-        return {"calls": dict(calls), "engine": resources.engine.stats()}
+        return {"calls": admission.stats(), "engine": resources.engine.stats()}
 
     @app.get("/calls/{stream_sid}/moments")
     async def moments(stream_sid: str) -> list:

@@ -100,6 +100,6 @@ def test_a_call_with_a_real_openai_compatible_llm_is_answered_with_speech_of_the
     assert line.audio_seconds(asked, float("inf")) > 0.5  # ... and the caller heard it
     errors = re.findall(r".*(?:\| (?:ERROR|CRITICAL) +\||Something went wrong|Traceback).*", text)
     assert not errors, errors  # no error logged, and no ErrorFrame reached the pipeline's worker (its warning)
-    assert stats["calls"] == {"active": 0, "total": 1} and stats["engine"]["active_streams"] == 0
+    assert (stats["calls"]["active"], stats["calls"]["total"]) == (0, 1) and stats["engine"]["active_streams"] == 0
     requests = [ln for ln in llm_log.read_text().splitlines() if "prompt tokens" in ln]
     assert requests and all(f"'max_new_tokens': {REPLY_MAX_TOKENS}" in ln for ln in requests), requests

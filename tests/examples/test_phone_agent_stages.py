@@ -309,4 +309,4 @@ def test_a_mid_call_llm_failure_makes_the_caller_hear_the_apology_and_the_call_e
     assert len([ln for ln in text.splitlines() if APOLOGY_LOG in ln and "the LLM failed" in ln]) == 1, text
     assert f"Generating TTS [{APOLOGY}]" in text  # spoken by the call's Orpheus TTS
     assert "Traceback" not in text
-    assert stats["calls"] == {"active": 0, "total": 1} and stats["engine"]["active_streams"] == 0
+    assert (stats["calls"]["active"], stats["calls"]["total"]) == (0, 1) and stats["engine"]["active_streams"] == 0

@@ -29,7 +29,6 @@ from tests.stubs import started
 from tests.test_decoder import random_frames, steady_chunks
 from tests.test_engine_under_load import SIX
 
-
 STREAMS = 1  # the module's decoders and engines: one geometry, so the first test's compilation serves them all
 
 

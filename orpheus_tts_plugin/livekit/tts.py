@@ -9,7 +9,7 @@ each request's first audio and for every later chunk; past it the engine request
 (retryable) is raised. Engine errors map to LiveKit errors in `_api_error`, whose `retryable` flags decide LiveKit's
 retries; `tts.FallbackAdapter` fails over on any of them.
 
-Each stream (one reply in LiveKit's AgentSession) speaks through the reply room (reply.py): its first phrase
+Each stream (one reply in LiveKit's AgentSession) speaks through the reply room (speech/reply.py): its first phrase
 (`TTS(first_phrase=N)`), then sentences as the sentence tokenizer cuts them, and its words as `TimedString`s
 (`capabilities.aligned_transcript`), seconds from the segment's first sample. LiveKit's preemptive generation
 (`preemptive_tts`) runs and cancels syntheses itself: a cancelled one is closed at once, its engine stream aborted.

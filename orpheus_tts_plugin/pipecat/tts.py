@@ -1,6 +1,6 @@
 """Pipecat adapter: `OrpheusTTSService` speaks through an in-process `OrpheusEngine` shared by every call.
 
-A translation of Pipecat 1.14's `TTSService` contract (services/tts_service.py) onto the reply room (reply.py),
+A translation of Pipecat 1.14's `TTSService` contract (services/tts_service.py) onto the reply room (speech/reply.py),
 through Pipecat's public API only (tests/adapters/test_public_api.py); each workaround names what the API lacks.
 Its health (readiness, overload, failures: pipecat/health.py) and settings (pipecat/settings.py) are mixins of
 their own; speaking ahead of a confirmed turn is pipecat/turns.py's turn strategy and the frames it sends here.

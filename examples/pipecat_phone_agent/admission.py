@@ -40,11 +40,13 @@ class Admission:
         return 1.0 if self.capacity <= 0 else min(1.0, taken / self.capacity)
 
     def hold(self, call_sid: str) -> bool:
-        """Hold a place for a call about to be told to connect, or count it refused (False)."""
+        """Hold a place for a call about to be told to connect, or count it refused (False). A request with no
+        CallSid (not Twilio's) holds nothing: no media stream could claim the place; its stream is checked alone."""
         if self.full:
             self.refused += 1
             return False
-        self.held[call_sid] = self.clock() + HOLD_S
+        if call_sid:
+            self.held[call_sid] = self.clock() + HOLD_S
         return True
 
     def try_admit(self, call_sid: str) -> bool:

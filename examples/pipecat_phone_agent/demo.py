@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,16 +151,19 @@ def run_demo(
     script: CallScript | None = None,
     name: str = "",
     stagger_s: float = 0.25,
+    observe: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> dict[str, Any]:
     """Start the server, place `calls` simulated calls (dialed `stagger_s` apart), return (and write) the report.
 
-    `name` suffixes what the run writes (report{name}.json, calls{name}/, waterfall{name}.png, server{name}.log).
+    `name` suffixes what the run writes (report{name}.json, calls{name}/, waterfall{name}.png, server{name}.log);
+    `observe()` is entered while the calls run, the server up (scripts/capacity_curve.py measures CPU in it).
     """
     lines = load_fixtures(out / "fixtures")
     script = script or CallScript(question=lines["question"], barge_in=lines["barge_in"])
     with agent_server(server_args, out / f"server{name}.log") as base:
         stolen = cpu_steal_s()
-        report = asyncio.run(run_calls(f"{base}/twiml", script, out / f"calls{name}", calls, stagger_s))
+        with observe():
+            report = asyncio.run(run_calls(f"{base}/twiml", script, out / f"calls{name}", calls, stagger_s))
         report["host_cpu_steal_s"] = None if stolen is None else round(cpu_steal_s() - stolen, 2)
         report["server"] = settled_stats(base)
         sids = [c["stream_sid"] for c in report["calls"] if "stream_sid" in c]  # a <Reject>ed call has none

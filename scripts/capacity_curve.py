@@ -18,6 +18,11 @@ CPU per call comes from each process's CPU time (user + system) over the calls, 
 (Pipecat's pipelines, Silero VAD, our TTS service and client), its recognizer workers (pocketsphinx), the engine
 (`serve`) and the simulated callers (this process). The knee is the largest N with 0 gaps over 100 ms and a
 voice-to-voice p95 of 1.2 s or less. Writes capacity.json, capacity.md (the table) and capacity.png.
+
+`--profile N` also samples the agent process with py-spy (`pip install py-spy`; on-CPU samples only) during the N-call
+run and splits its CPU by stage: each sample goes to the innermost frame of a known part (ours, Silero VAD,
+resampling, transport, aggregators, the recognizer client, the rest of Pipecat, asyncio and threads); samples of a
+thread waiting (a select, a pool thread's queue, a condition) are left out.
 """
 
 from __future__ import annotations
@@ -114,6 +119,65 @@ class CpuByRole:
         return out
 
 
+# (stage, path fragments): a sample's stage is that of its innermost frame matching any fragment, in this order.
+STAGES = (
+    ("ours: orpheus_tts_plugin", ("orpheus_tts_plugin/",)),
+    ("Silero VAD", ("silero", "onnxruntime", "vad_analyzer")),
+    ("resampling", ("resampler", "soxr")),
+    ("transport and serializer", ("pipecat/transports", "pipecat/serializers", "starlette", "uvicorn", "websockets")),
+    ("aggregators", ("pipecat/processors/aggregators",)),
+    ("recognizer client", ("pipecat_phone_agent/offline_stt",)),
+    ("rest of Pipecat", ("pipecat/",)),
+    ("asyncio and threads", ("asyncio/", "concurrent/futures", "threading.py", "selectors.py")),
+)
+
+
+# Leaves of a thread that waits (py-spy counts some of them as running): the event loop's select, a pool thread's
+# queue get (`_worker` itself at the leaf: the get is in C), a condition or event wait.
+IDLE_LEAVES = ("Selector.select (", "_worker (concurrent/futures/thread.py", "Condition.wait (", "Event.wait (")
+
+
+def stage_of(stack: str) -> str:
+    frames = stack.split(";")
+    if any(leaf in frames[-1] for leaf in IDLE_LEAVES):
+        return "idle"
+    for frame in reversed(frames):
+        for stage, fragments in STAGES:
+            if any(f in frame for f in fragments):
+                return stage
+    return "other"
+
+
+@contextlib.contextmanager
+def profiled(raw_path: Path) -> Iterator[None]:
+    """py-spy samples the agent process (found by its command line) until the block ends, into `raw_path`."""
+    import signal
+    import subprocess
+
+    agent = next(p.pid for p in psutil.process_iter() if role_of(p, None) == "agent")
+    spy_bin = str(Path(sys.executable).with_name("py-spy"))
+    cmd = [spy_bin, "record", "--pid", str(agent), "--format", "raw", "--rate", "200", "--output", str(raw_path)]
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(30)
+
+
+def stage_shares(raw_path: Path) -> dict[str, float]:
+    """Each stage's share of the agent's on-CPU samples, from py-spy's raw (collapsed) output."""
+    counts: dict[str, int] = {}
+    for line in raw_path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if stack and n.isdigit():
+            counts[stage_of(stack)] = counts.get(stage_of(stack), 0) + int(n)
+    idle = counts.pop("idle", 0)
+    total = sum(counts.values()) or 1
+    shares = {stage: round(n / total, 3) for stage, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+    return {**shares, "idle samples left out": round(idle / (total + idle), 3)}
+
+
 def point(report: dict[str, Any], cpu: dict[str, float], calls: int, seconds: float) -> dict[str, Any]:
     """One row of the curve from a demo report and the CPU the run's processes spent."""
     v2v = report["summary"].get("speech_end_to_agent_audio_ms", {})
@@ -194,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", default="cpu-model,gpu-like", help="cpu-model, gpu-like or both")
     parser.add_argument("--token-rate", type=float, default=150.0, help="gpu-like: tokens/s a stream")
     parser.add_argument("--out", default="out/capacity")
+    parser.add_argument("--profile", type=int, default=None, metavar="N", help="py-spy the agent at N calls")
     args = parser.parse_args(argv)
     out = Path(args.out)
     demo_out = out / "demo"  # the demo's model, fixtures, WAVs and reports, one set per point
@@ -211,14 +276,23 @@ def main(argv: list[str] | None = None) -> int:
         with tts_server([*serve_args(mode, model, args.token_rate), *serve_cpus], out / f"serve-{mode}.log") as url:
             for n in (int(x) for x in args.calls.split(",")):
                 cpu = CpuByRole()
+                raw = out / f"agent-{mode}-{n}.pyspy.txt"
+
+                @contextlib.contextmanager
+                def observe(n: int = n, raw: Path = raw, cpu: CpuByRole = cpu) -> Iterator[None]:
+                    with cpu(), profiled(raw) if n == args.profile else contextlib.nullcontext():
+                        yield
+
                 report = run_demo(
                     demo_out,
                     [*agent_args, "--tts-url", url, "--max-calls", str(n)],
                     calls=n,
                     name=f"-{mode}-{n}",
-                    observe=cpu,
+                    observe=observe,
                 )
                 row = point(report, cpu.seconds(), n, cpu.wall_s)
+                if n == args.profile:
+                    row["agent_cpu_by_stage"] = stage_shares(raw)
                 curves[mode].append(row)
                 print(json.dumps({"engine": mode, **row}), flush=True)
     (out / "capacity.json").write_text(json.dumps({"host": host, "curves": curves}, indent=2))

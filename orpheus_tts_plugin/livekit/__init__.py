@@ -6,18 +6,9 @@ May import: root, speech, engine, client. (And LiveKit Agents.)
 
 from __future__ import annotations
 
-from .tts import (
-    TTS,
-    ChunkedStream,
-    OrpheusPlugin,
-    SpeechEngine,
-    SynthesizeStream,
-    download_files,
-    engine_load_fnc,
-    prewarm_engine,
-    remote_engine,
-    server_options,
-)
+from ..types import SpeechEngine
+from .tts import TTS, ChunkedStream, SynthesizeStream
+from .worker import OrpheusPlugin, download_files, engine_load_fnc, prewarm_engine, remote_engine, server_options
 
 __all__ = [
     "TTS",

@@ -1,7 +1,8 @@
 """LiveKit Agents adapter: an Orpheus `tts.TTS` on one process-wide engine shared by every job of a worker.
 
 The worker set-up (`server_options`, `prewarm_engine`, `remote_engine`, `engine_load_fnc`, the `OrpheusPlugin`
-registered on import: its `download_files()` fetches the weights) is in livekit/worker.py, re-exported here.
+registered on import: its `download_files()` fetches the weights) is in livekit/worker.py; the package re-exports
+both (`from orpheus_tts_plugin import livekit as orpheus`).
 Importing does no GPU work: the engine loads on `prewarm()` or on the first synthesis.
 
 LiveKit's contract (docs/livekit.md, "Timeouts, retries and failover"): `conn_options.timeout` bounds the wait for
@@ -29,15 +30,7 @@ from ..speech.first_phrase import FirstPhrase, min_words_of
 from ..speech.reply import ReplayText, ReplySpeech, ReplyText, language_voice
 from ..speech.words import DEFAULT_WEIGHTS, Pace, Weights
 from ..types import SpeechEngine, SpeechOptions
-from .worker import (
-    OrpheusPlugin,
-    _engine_for,
-    download_files,
-    engine_load_fnc,
-    prewarm_engine,
-    remote_engine,
-    server_options,
-)
+from .worker import _engine_for, prewarm_engine
 
 try:
     from livekit.agents import (
@@ -56,19 +49,6 @@ try:
 except ImportError as exc:  # one line saying what to install, not a traceback from deep inside
     raise missing_extra("livekit", "the LiveKit adapter", exc) from exc
 
-
-__all__ = [
-    "TTS",
-    "ChunkedStream",
-    "OrpheusPlugin",
-    "SynthesizeStream",
-    "download_files",
-    "engine_load_fnc",
-    "prewarm_engine",
-    "remote_engine",
-    "server_options",
-    "SpeechEngine",
-]
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import json
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -447,6 +447,27 @@ async def read_all(stream: Any, limit_s: float = 30.0) -> tuple[list[int], Backe
     return got, await asyncio.wait_for(run(), limit_s)
 
 
+@contextlib.asynccontextmanager
+async def streamed(
+    fmt: str, relay_options: dict[str, Any] | None, end_at: int | None = None
+) -> AsyncIterator[tuple[OpenAICompletionsBackend, TcpRelay | None]]:
+    """A started backend reading the known `fmt` stream from `sse_server` (its body ended at byte `end_at`), through a
+    TcpRelay with `relay_options` if given; everything closed at the end."""
+    runner, url, _ = await sse_server(stream_body(fmt), end_at=end_at)
+    relay = TcpRelay(port_of(url), **relay_options) if relay_options else None
+    backend = stream_backend(relay.url if relay else url, fmt)
+    try:
+        if relay:
+            await relay.start()
+        await backend.start()
+        yield backend, relay
+    finally:
+        await backend.close()
+        if relay:
+            await relay.close()
+        await runner.cleanup()
+
+
 NETWORKS = {"direct": None, "byte by byte": {"chunk": 1}, "first byte late": {"first_byte_delay_s": 0.5}}
 
 
@@ -458,13 +479,7 @@ async def test_every_id_arrives_once_and_in_order_however_the_network_delivers_t
     """A known stream, in vLLM's format (token ids) and in `transformers serve`'s (text), straight from the server,
     byte by byte through a relay (every SSE line and JSON cut wherever a read ends), and through a relay that holds
     back the server's first byte: every id once, in order, then the server's finish reason."""
-    runner, url, _ = await sse_server(stream_body(fmt))
-    relay = TcpRelay(port_of(url), **NETWORKS[network]) if NETWORKS[network] else None
-    backend = stream_backend(relay.url if relay else url, fmt)
-    try:
-        if relay:
-            await relay.start()
-        await backend.start()
+    async with streamed(fmt, NETWORKS[network]) as (backend, _):
         req = GenerationRequest("n", (7, 8, 9), SamplingParams(seed=5), 100, (SPEC.end_of_speech,))
         stream = backend.generate(req)
         got, error = await read_all(stream)
@@ -473,11 +488,6 @@ async def test_every_id_arrives_once_and_in_order_however_the_network_delivers_t
         stats = backend.stats()
         assert stats["tokens"] == len(got) and stats["errors"] == 0 and stats["live_requests"] == 0
         await stream.aclose()
-    finally:
-        await backend.close()
-        if relay:
-            await relay.close()
-        await runner.cleanup()
 
 
 # Where a stream is cut: in an event (the index of the event, where in it), and how. Where the relay cuts the
@@ -517,13 +527,8 @@ async def test_a_stream_cut_in_the_middle_of_an_event_ends_with_a_backend_error(
     ends short as if it were complete, never an id of the cut event."""
     index, offset, rest = cut_point(fmt, where)
     relayed = how == RELAY_CUTS
-    runner, url, _ = await sse_server(stream_body(fmt), end_at=None if relayed else offset)
-    relay = TcpRelay(port_of(url), chunk=1, cut_before=rest) if relayed else None
-    backend = stream_backend(relay.url if relay else url, fmt)
-    try:
-        if relay:
-            await relay.start()
-        await backend.start()
+    relay_options = {"chunk": 1, "cut_before": rest} if relayed else None
+    async with streamed(fmt, relay_options, end_at=None if relayed else offset) as (backend, relay):
         stream = backend.generate(GenerationRequest("c", (7, 8, 9), SamplingParams(), 100, (SPEC.end_of_speech,)))
         got, error = await read_all(stream)
         assert isinstance(error, BackendError) and got == stream_ids(fmt, index), (error, got)
@@ -532,11 +537,6 @@ async def test_a_stream_cut_in_the_middle_of_an_event_ends_with_a_backend_error(
         assert relay is None or relay.cuts == 1
         with pytest.raises(StopAsyncIteration):
             await stream.__anext__()
-    finally:
-        await backend.close()
-        if relay:
-            await relay.close()
-        await runner.cleanup()
 
 
 async def test_vllm_token_id_stream_with_allowed_ids_where_the_server_lacks_the_processor() -> None:
